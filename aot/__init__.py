@@ -1,0 +1,16 @@
+"""grace.aot — the ahead-of-time compiler. Needs torch and triton, never a GPU.
+
+The pipeline, one module per stage (read them in this order):
+    export.py   torch.export + core-ATen decompositions
+    lower.py    FX graph -> kernel IR (ir.py, views.py; op handlers in lower_ops.py)
+    fuse.py     epilogue fusion
+    memplan.py  arena offsets + graph dependencies
+    codegen.py  kernel IR -> Triton source (expressions in codegen_expr.py)
+    build.py    Triton source -> cubin per arch (cached, parallel)
+    package.py  manifest + sections -> .grace (written by grace.formats)
+"""
+from __future__ import annotations
+
+from .compiler import CompileOptions, compile, compile_program  # noqa: A004
+
+__all__ = ["compile", "compile_program", "CompileOptions"]

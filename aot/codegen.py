@@ -1,0 +1,355 @@
+"""Stage 5: kernel IR → Triton source, one template per kernel family.
+
+Each template fixes the index variables and the loop structure, and lets `ExprEmitter` fill in
+the operands (prologues) and the stored value (epilogue). Sizes are literals in the source, so
+identical layers give byte-identical sources and are compiled once. The function name is derived
+from the source's hash for the same reason.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, Writer
+from .ir import Kernel, compute_dtype, numel
+
+HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+
+
+@dataclass
+class KernelSource:
+    name: str
+    family: str
+    source: str
+    param_types: list[str]
+    buffers: list            # the Buffer bound to each parameter, in order
+    grid: tuple[int, int, int]
+    num_warps: int
+    num_stages: int
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def generate(kernel: Kernel) -> KernelSource:
+    template = TEMPLATES[kernel.family]
+    w = Writer()
+    grid, num_warps, num_stages = template(kernel, w)
+    body = w.prologue + [ln.strip("\n") for ln in w.lines]
+    names = w.param_names()
+    lines = [f"def KERNEL({', '.join(names)}):"]
+    lines += ["    " + ln if not ln.startswith("    ") else ln for ln in w.prologue]
+    lines += w.lines
+    text = HEADER + "\n".join(lines) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    name = f"{kernel.family}_{digest}"
+    del body
+    return KernelSource(name, kernel.family, text.replace("def KERNEL(", f"def {name}("),
+                        w.param_types(), list(w.params), grid, num_warps, num_stages)
+
+
+def _store(w: Writer, kernel: Kernel, value: str, ctx: Ctx, shape_expr: str):
+    ptr = w.ptr(kernel.out)
+    out_t = TL_TYPE[kernel.out.dtype]
+    mask = "" if ctx.mask == "None" else f", mask={ctx.mask}"
+    w.emit(f"tl.store({ptr} + {ctx.linear}, tl.broadcast_to({value}, {shape_expr}).to({out_t}){mask})")
+
+
+# ---- pointwise --------------------------------------------------------------------------------
+def pointwise(kernel: Kernel, w: Writer):
+    n = numel(kernel.out_shape)
+    block = min(1024, next_pow2(max(n, 16)))
+    idx_t = "tl.int64" if n >= 2**31 else "tl.int32"
+    w.emit(f"offs = tl.program_id(0).to({idx_t}) * {block} + tl.arange(0, {block})")
+    w.emit(f"mask = offs < {n}")
+    w.emit(f"zero = tl.zeros([{block}], tl.int32)")
+    ctx = Ctx(w, kernel.out_shape, linear="offs", mask="mask", zero="zero")
+    value = ExprEmitter(w).value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{block}]")
+    return (cdiv(n, block), 1, 1), (4 if block >= 512 else 2 if block >= 128 else 1), 1
+
+
+# ---- reductions -------------------------------------------------------------------------------
+REDUCE_INIT = {"sum": "0", "max": '-float("inf")', "min": 'float("inf")'}
+
+
+def reduction(kernel: Kernel, w: Writer):
+    inp = kernel.inputs
+    src_shape, rdims, op, acc_t = inp["src_shape"], inp["rdims"], inp["op"], inp["acc_dtype"]
+    kept = [d for d in range(len(src_shape)) if d not in rdims]
+    rows = numel([src_shape[d] for d in kept])
+    cols = numel([src_shape[d] for d in rdims])
+    bn = min(next_pow2(max(cols, 2)), 1024)
+    br = max(1, min(next_pow2(rows), 4096 // bn, 64))
+    init = REDUCE_INIT[op]
+    if not acc_t.startswith("float") and op != "sum":
+        init = "-9223372036854775807" if op == "max" else "9223372036854775807"
+    tl_acc = TL_TYPE[acc_t]
+    w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
+    w.emit(f"rmask = rows < {rows}")
+    w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
+    w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})")
+    w.emit(f"for start in range(0, {cols}, {bn}):")
+    w.indent += 1
+    w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
+    w.emit(f"mask = rmask & (cols < {cols})")
+    kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
+    red_ctx = Ctx(w, [src_shape[d] for d in rdims], linear="cols")
+    dims = [None] * len(src_shape)
+    for i, d in enumerate(kept):
+        dims[d] = kept_ctx.dim(i)
+    for i, d in enumerate(rdims):
+        dims[d] = red_ctx.dim(i)
+    ctx = Ctx(w, src_shape, dims, mask="mask", zero="zero")
+    value = ExprEmitter(w).value(inp["src"], ctx)
+    w.emit(f"value = tl.where(mask, {value}.to({tl_acc}), {init})")
+    combine = {"sum": "acc + value", "max": "tl.maximum(acc, value)",
+               "min": "tl.minimum(acc, value)"}[op]
+    w.emit(f"acc = {combine}")
+    w.indent -= 1
+    reducer = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
+    w.emit(f"red = {reducer}(acc, axis=1)")
+    w.emit(f"orow = tl.program_id(0) * {br} + tl.arange(0, {br})")
+    w.emit(f"omask = orow < {rows}")
+    w.emit(f"ozero = tl.zeros([{br}], tl.int32)")
+    out_ctx = Ctx(w, kernel.out_shape, linear="orow", mask="omask", zero="ozero")
+    value = ExprEmitter(w, acc="red").value(kernel.epilogue, out_ctx)
+    _store(w, kernel, value, out_ctx, f"[{br}]")
+    return (cdiv(rows, br), 1, 1), 4, 1
+
+
+# ---- row-wise normalisations (softmax, log-softmax, layer norm) -------------------------------
+def _row_setup(kernel: Kernel, w: Writer, shape):
+    cols = shape[-1]
+    rows = numel(shape) // cols
+    bn = min(next_pow2(max(cols, 2)), 4096)
+    br = max(1, min(next_pow2(rows), 2048 // bn, 16))
+    w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
+    w.emit(f"rmask = rows < {rows}")
+    w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
+    return rows, cols, br, bn
+
+
+def _row_ctx(w: Writer, shape, cols, mask="mask"):
+    """An index context over `shape` for the element (rows, cols) of a [rows, cols] view."""
+    return Ctx(w, shape, linear=f"(rows * {cols} + cols)", mask=mask, zero="zero")
+
+
+def _row_loop(w: Writer, cols, bn):
+    w.emit(f"for start in range(0, {cols}, {bn}):")
+    w.indent += 1
+    w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
+    w.emit(f"mask = rmask & (cols < {cols})")
+
+
+def softmax(kernel: Kernel, w: Writer):
+    shape = kernel.out_shape
+    rows, cols, br, bn = _row_setup(kernel, w, shape)
+    src = kernel.inputs["src"]
+    w.emit(f"m = tl.full([{br}, 1], -float(\"inf\"), tl.float32)")
+    w.emit(f"s = tl.zeros([{br}, 1], tl.float32)")
+    _row_loop(w, cols, bn)
+    x = ExprEmitter(w).value(src, _row_ctx(w, shape, cols))
+    w.emit(f"x = tl.where(mask, {x}.to(tl.float32), -float(\"inf\"))")
+    w.emit("m_new = tl.maximum(m, tl.max(x, axis=1)[:, None])")
+    w.emit("m_safe = tl.where(m_new == -float(\"inf\"), 0.0, m_new)")
+    w.emit("s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=1)[:, None]")
+    w.emit("m = m_new")
+    w.indent -= 1
+    _row_loop(w, cols, bn)
+    ctx = _row_ctx(w, shape, cols)
+    x = ExprEmitter(w).value(src, ctx)
+    if kernel.inputs["log"]:
+        w.emit(f"y = {x}.to(tl.float32) - m - tl.log(s)")
+    else:
+        w.emit(f"y = tl.exp({x}.to(tl.float32) - m) / s")
+    value = ExprEmitter(w, acc="y").value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{br}, {bn}]")
+    w.indent -= 1
+    return (cdiv(rows, br), 1, 1), 4 if bn >= 256 else 2, 1
+
+
+def layer_norm(kernel: Kernel, w: Writer):
+    shape = kernel.out_shape
+    rows, cols, br, bn = _row_setup(kernel, w, shape)
+    inp = kernel.inputs
+    w.emit(f"total = tl.zeros([{br}, 1], tl.float32)")
+    _row_loop(w, cols, bn)
+    x = ExprEmitter(w).value(inp["src"], _row_ctx(w, shape, cols))
+    w.emit(f"total += tl.sum(tl.where(mask, {x}.to(tl.float32), 0.0), axis=1)[:, None]")
+    w.indent -= 1
+    w.emit(f"mean = total / {cols}")
+    w.emit(f"sq = tl.zeros([{br}, 1], tl.float32)")
+    _row_loop(w, cols, bn)
+    x = ExprEmitter(w).value(inp["src"], _row_ctx(w, shape, cols))
+    w.emit(f"d = tl.where(mask, {x}.to(tl.float32) - mean, 0.0)")
+    w.emit("sq += tl.sum(d * d, axis=1)[:, None]")
+    w.indent -= 1
+    w.emit(f"rstd = tl.rsqrt(sq / {cols} + {inp['eps']!r})")
+    _row_loop(w, cols, bn)
+    ctx = _row_ctx(w, shape, cols)
+    emitter = ExprEmitter(w)
+    x = emitter.value(inp["src"], ctx)
+    w.emit(f"y = ({x}.to(tl.float32) - mean) * rstd")
+    if "weight" in inp:
+        w.emit(f"y = y * {emitter.value(inp['weight'], ctx)}.to(tl.float32)")
+    if "bias" in inp:
+        w.emit(f"y = y + {emitter.value(inp['bias'], ctx)}.to(tl.float32)")
+    value = ExprEmitter(w, acc="y").value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{br}, {bn}]")
+    w.indent -= 1
+    return (cdiv(rows, br), 1, 1), 4 if bn >= 256 else 2, 1
+
+
+# ---- GEMM -------------------------------------------------------------------------------------
+def _dot_dtype(*exprs) -> str:
+    kinds = {e.dtype for e in exprs}
+    for low in ("bfloat16", "float16"):
+        if low in kinds:
+            return low
+    return "float32"
+
+
+def matmul(kernel: Kernel, w: Writer):
+    inp = kernel.inputs
+    m, n, k, batch = inp["m"], inp["n"], inp["k"], inp["batch"]
+    dot_t = _dot_dtype(inp["a"], inp["b"])
+    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    bn = 32 if n <= 32 else 64 if n <= 64 or m <= 16 else 128
+    bk = max(16, min(next_pow2(k), 64 if dot_t != "float32" else 32))
+    prec = ""
+    if dot_t == "float32":
+        prec = f", input_precision=\"{inp.get('fp32_precision', 'tf32')}\""
+    w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
+    w.emit(f"rn = tl.program_id(1) * {bn} + tl.arange(0, {bn})")
+    w.emit("bz = tl.program_id(2)")
+    w.emit(f"zero_a = tl.zeros([{bm}, {bk}], tl.int32)")
+    w.emit(f"zero_b = tl.zeros([{bk}, {bn}], tl.int32)")
+    w.emit(f"acc = tl.zeros([{bm}, {bn}], tl.float32)")
+    w.emit(f"for k0 in range(0, {k}, {bk}):")
+    w.indent += 1
+    w.emit(f"rk = k0 + tl.arange(0, {bk})")
+    w.emit(f"mask_a = (rm[:, None] < {m}) & (rk[None, :] < {k})")
+    w.emit(f"mask_b = (rk[:, None] < {k}) & (rn[None, :] < {n})")
+    actx = Ctx(w, (batch, m, k), ["bz", "rm[:, None]", "rk[None, :]"], mask="mask_a",
+               zero="zero_a")
+    bctx = Ctx(w, (batch, k, n), ["bz", "rk[:, None]", "rn[None, :]"], mask="mask_b",
+               zero="zero_b")
+    a = ExprEmitter(w).value(inp["a"], actx)
+    b = ExprEmitter(w).value(inp["b"], bctx)
+    tl_dot = TL_TYPE[dot_t]
+    w.emit(f"a = tl.where(mask_a, {a}, 0.0).to({tl_dot})")
+    w.emit(f"b = tl.where(mask_b, {b}, 0.0).to({tl_dot})")
+    w.emit(f"acc = tl.dot(a, b, acc{prec})")
+    w.indent -= 1
+    w.emit(f"mask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
+    w.emit(f"zero = tl.zeros([{bm}, {bn}], tl.int32)")
+    ctx = Ctx(w, (batch, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
+              linear=f"(bz * {m * n} + rm[:, None] * {n} + rn[None, :])", mask="mask", zero="zero")
+    value = ExprEmitter(w, acc="acc").value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{bm}, {bn}]")
+    warps = 4 if bm * bn <= 64 * 64 else 8
+    return (cdiv(m, bm), cdiv(n, bn), batch), warps, 3
+
+
+# ---- attention --------------------------------------------------------------------------------
+def attention(kernel: Kernel, w: Writer):
+    p = kernel.inputs
+    b, h, lq, lk, d, dv = p["b"], p["h"], p["lq"], p["lk"], p["d"], p["dv"]
+    dot_t = _dot_dtype(p["q"], p["k"], p["v"])
+    tl_dot = TL_TYPE[dot_t]
+    bm = 16 if lq <= 16 else 32 if lq <= 32 else 64
+    bn = 16 if lk <= 16 else 32 if lk <= 32 else 64
+    bd, bdv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    prec = ", input_precision=\"tf32\"" if dot_t == "float32" else ""
+    w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
+    w.emit("bh = tl.program_id(1)")
+    w.emit(f"ib = bh // {h}")
+    w.emit(f"ih = bh % {h}")
+    w.emit(f"rd = tl.arange(0, {bd})")
+    w.emit(f"rdv = tl.arange(0, {bdv})")
+    w.emit(f"mask_q = (rm[:, None] < {lq}) & (rd[None, :] < {d})")
+    w.emit(f"zero_q = tl.zeros([{bm}, {bd}], tl.int32)")
+    qctx = Ctx(w, (b, h, lq, d), ["ib", "ih", "rm[:, None]", "rd[None, :]"], mask="mask_q",
+               zero="zero_q")
+    q = ExprEmitter(w).value(p["q"], qctx)
+    w.emit(f"q = tl.where(mask_q, {q}, 0.0).to({tl_dot})")
+    w.emit(f"m_i = tl.full([{bm}], -float(\"inf\"), tl.float32)")
+    w.emit(f"l_i = tl.zeros([{bm}], tl.float32)")
+    w.emit(f"acc = tl.zeros([{bm}, {bdv}], tl.float32)")
+    w.emit(f"for n0 in range(0, {lk}, {bn}):")
+    w.indent += 1
+    if p["causal"]:
+        # key blocks wholly after this query block are masked: skip them
+        w.emit(f"if n0 < (tl.program_id(0) + 1) * {bm}:")
+        w.indent += 1
+    w.emit(f"rn = n0 + tl.arange(0, {bn})")
+    w.emit(f"mask_k = (rd[:, None] < {d}) & (rn[None, :] < {lk})")
+    w.emit(f"mask_v = (rn[:, None] < {lk}) & (rdv[None, :] < {dv})")
+    w.emit(f"zero_k = tl.zeros([{bd}, {bn}], tl.int32)")
+    w.emit(f"zero_v = tl.zeros([{bn}, {bdv}], tl.int32)")
+    kctx = Ctx(w, (b, h, lk, d), ["ib", "ih", "rn[None, :]", "rd[:, None]"], mask="mask_k",
+               zero="zero_k")
+    kt = ExprEmitter(w).value(p["k"], kctx)
+    w.emit(f"kt = tl.where(mask_k, {kt}, 0.0).to({tl_dot})")
+    w.emit(f"s = tl.dot(q, kt{prec}) * {p['scale']!r}")
+    w.emit(f"valid = (rn[None, :] < {lk}) & (rm[:, None] >= 0)")
+    if p["causal"]:
+        w.emit("valid = valid & (rn[None, :] <= rm[:, None])")
+    if "mask" in p:
+        w.emit(f"mask_s = (rm[:, None] < {lq}) & (rn[None, :] < {lk})")
+        w.emit(f"zero_s = tl.zeros([{bm}, {bn}], tl.int32)")
+        sctx = Ctx(w, (b, h, lq, lk), ["ib", "ih", "rm[:, None]", "rn[None, :]"], mask="mask_s",
+                   zero="zero_s")
+        mv = ExprEmitter(w).value(p["mask"], sctx)
+        if p["mask"].dtype == "bool":
+            w.emit(f"valid = valid & ({mv} != 0)")
+        else:
+            w.emit(f"s = s + {mv}.to(tl.float32)")
+    w.emit("s = tl.where(valid, s, -float(\"inf\"))")
+    w.emit("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
+    w.emit("m_safe = tl.where(m_new == -float(\"inf\"), 0.0, m_new)")
+    w.emit("alpha = tl.exp(m_i - m_safe)")
+    w.emit("pr = tl.exp(s - m_safe[:, None])")
+    w.emit("l_i = l_i * alpha + tl.sum(pr, axis=1)")
+    vctx = Ctx(w, (b, h, lk, dv), ["ib", "ih", "rn[:, None]", "rdv[None, :]"], mask="mask_v",
+               zero="zero_v")
+    v = ExprEmitter(w).value(p["v"], vctx)
+    w.emit(f"v = tl.where(mask_v, {v}, 0.0).to({tl_dot})")
+    w.emit(f"acc = acc * alpha[:, None] + tl.dot(pr.to({tl_dot}), v{prec})")
+    w.emit("m_i = m_new")
+    w.indent -= 2 if p["causal"] else 1
+    w.emit("o = acc / l_i[:, None]")
+    w.emit(f"mask = (rm[:, None] < {lq}) & (rdv[None, :] < {dv})")
+    w.emit(f"zero = tl.zeros([{bm}, {bdv}], tl.int32)")
+    ctx = Ctx(w, (b, h, lq, dv), ["ib", "ih", "rm[:, None]", "rdv[None, :]"],
+              linear=f"(bh * {lq * dv} + rm[:, None] * {dv} + rdv[None, :])", mask="mask",
+              zero="zero")
+    value = ExprEmitter(w, acc="o").value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{bm}, {bdv}]")
+    return (cdiv(lq, bm), b * h, 1), 4, 2
+
+
+TEMPLATES = {"pointwise": pointwise, "reduction": reduction, "softmax": softmax,
+             "layer_norm": layer_norm, "matmul": matmul, "attention": attention}
+
+
+def table_writer_source(slots: list[dict]) -> KernelSource:
+    """The per-call argument-table update: one store per word (slot by slot: pointer, sizes,
+    strides, each slot at its 16-aligned offset); the parameters carry the values."""
+    positions = [s["offset"] // 8 + j for s in slots for j in range(1 + 2 * s["rank"])]
+    words = len(positions)
+    names = ", ".join(f"w{i}" for i in range(words))
+    lines = [f"def table_writer(table, {names}):" if words else "def table_writer(table):"]
+    lines += [f"    tl.store(table + {pos}, w{i})" for i, pos in enumerate(positions)] or ["    pass"]
+    text = HEADER + "\n".join(lines) + "\n"
+    return KernelSource("table_writer", "table_writer", text, ["*i64"] + ["i64"] * words, [],
+                        (1, 1, 1), 1, 1)
+
+
+__all__ = ["generate", "table_writer_source", "KernelSource", "compute_dtype"]

@@ -1,0 +1,384 @@
+"""Expression → Triton code, evaluated at a block of indices.
+
+A kernel template owns the index variables (a flat block for pointwise kernels, row/column blocks
+for reductions, M×K / K×N tiles for GEMMs) and asks `ExprEmitter.value(expr, ctx)` for a variable
+holding `expr` at those indices. Index arithmetic for a dimension is emitted only when some load
+needs it, and a load whose strides match the context's contiguous layout uses the flat index
+directly, so the common case compiles to `tl.load(p + offs)`.
+"""
+from __future__ import annotations
+
+from .ir import (Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape, compute_dtype,
+                 contiguous_strides, numel)
+
+TL_TYPE = {
+    "float64": "tl.float64", "float32": "tl.float32", "float16": "tl.float16",
+    "bfloat16": "tl.bfloat16", "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16",
+    "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1",
+}
+PTR_TYPE = {
+    "float64": "*fp64", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16",
+    "int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1",
+}
+
+
+class Writer:
+    """Lines of one kernel body plus its pointer parameters (one per distinct buffer)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.indent = 1
+        self.params: list = []          # Buffers, in parameter order
+        self._ptr: dict[int, str] = {}
+        self.prologue: list[str] = []
+        self._n = 0
+
+    def var(self, prefix="t") -> str:
+        self._n += 1
+        return f"{prefix}{self._n}"
+
+    def emit(self, line: str):
+        self.lines.append("    " * self.indent + line)
+
+    def ptr(self, buf) -> str:
+        """The typed pointer variable of a buffer; I/O buffers are read from their table slot."""
+        key = id(buf)
+        if key not in self._ptr:
+            i = len(self.params)
+            self.params.append(buf)
+            if buf.kind in ("input", "output"):
+                name = f"p{i}"
+                self.prologue.append(
+                    f"{name} = tl.load(p{i}_slot).to(tl.pointer_type({TL_TYPE[buf.dtype]}))")
+                self.prologue.append(f"{name} = tl.multiple_of({name}, 16)")
+            else:
+                name = f"p{i}"
+            self._ptr[key] = name
+        return self._ptr[key]
+
+    def param_names(self) -> list[str]:
+        return [f"p{i}_slot" if b.kind in ("input", "output") else f"p{i}"
+                for i, b in enumerate(self.params)]
+
+    def param_types(self) -> list[str]:
+        return ["*i64" if b.kind in ("input", "output") else PTR_TYPE[b.dtype] for b in self.params]
+
+
+class Ctx:
+    """An index space: per dimension a way to get the index variable, a mask, and optionally the
+    flat (contiguous) index over `shape`."""
+
+    def __init__(self, w: Writer, shape, dims=None, linear=None, mask="None", zero="0",
+                 parent=None):
+        self.w, self.shape, self.mask, self.zero = w, tuple(shape), mask, zero
+        self.linear = linear
+        self._dims = dict(enumerate(dims)) if dims is not None else {}
+        self.memo: dict[int, str] = {}
+        self.children: dict = {}
+
+    def dim(self, d: int) -> str:
+        if d not in self._dims:
+            if self.shape[d] == 1:
+                self._dims[d] = "0"
+            else:
+                cs = contiguous_strides(self.shape)[d]
+                v = self.w.var("i")
+                expr = self.linear if cs == 1 else f"({self.linear} // {cs})"
+                if d > 0:
+                    expr = f"({expr} % {self.shape[d]})"
+                self.w.emit(f"{v} = {expr}")
+                self._dims[d] = v
+        return self._dims[d]
+
+
+def _literal(value, dtype: str) -> str:
+    if dtype == "bool":
+        return "1" if value else "0"
+    if dtype.startswith("int") or dtype == "uint8":
+        return str(int(value))
+    f = float(value)
+    if f != f:
+        return 'float("nan")'
+    if f in (float("inf"), float("-inf")):
+        return 'float("inf")' if f > 0 else '-float("inf")'
+    return repr(f)
+
+
+SAME_TYPE_OPS = {"add", "sub", "mul", "div", "maximum", "minimum", "neg", "remainder", "fmod",
+                 "floordiv"}
+FLOAT_OPS = {"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "sin", "cos", "log1p",
+             "expm1", "gelu", "silu", "reciprocal", "pow"}
+
+
+class ExprEmitter:
+    def __init__(self, w: Writer, acc: str | None = None):
+        self.w = w
+        self.acc = acc
+
+    # -- public -----------------------------------------------------------------------------
+    def value(self, expr: Expr, ctx: Ctx) -> str:
+        key = id(expr)
+        if key not in ctx.memo:
+            ctx.memo[key] = self._emit(expr, ctx)
+        return ctx.memo[key]
+
+    # -- nodes ------------------------------------------------------------------------------
+    def _emit(self, e: Expr, ctx: Ctx) -> str:
+        w = self.w
+        if isinstance(e, Acc):
+            return self.acc
+        if isinstance(e, Const):
+            v = w.var()
+            w.emit(f"{v} = tl.full([], {_literal(e.value, e.dtype)}, "
+                   f"{TL_TYPE[compute_dtype(e.dtype)]})")
+            return v
+        if isinstance(e, Index):
+            v = w.var()
+            w.emit(f"{v} = ({ctx.dim(e.dim)} + {ctx.zero}).to(tl.int64)")
+            return v
+        if isinstance(e, Load):
+            return self._load(e, ctx)
+        if isinstance(e, Op):
+            return self._op(e, ctx)
+        if isinstance(e, Reindex):
+            return self._reindex(e, ctx)
+        if isinstance(e, Reshape):
+            return self._reshape(e, ctx)
+        if isinstance(e, Cat):
+            return self._cat(e, ctx)
+        raise TypeError(f"cannot generate code for {type(e).__name__}")
+
+    def _load(self, e: Load, ctx: Ctx) -> str:
+        w = self.w
+        ptr = w.ptr(e.buf)
+        big = numel(e.buf.shape) >= 2**31
+        if (ctx.linear is not None and not big
+                and _same_layout(e.strides, contiguous_strides(ctx.shape), ctx.shape)):
+            addr = ctx.linear if e.offset == 0 else f"{ctx.linear} + {e.offset}"
+        else:
+            terms = [str(e.offset)] if e.offset else []
+            for d, stride in enumerate(e.strides):
+                if stride == 0 or ctx.shape[d] == 1:
+                    continue
+                idx = ctx.dim(d)
+                if big:
+                    idx = f"{idx}.to(tl.int64)"
+                terms.append(idx if stride == 1 else f"{idx} * {stride}")
+            addr = " + ".join(terms) if terms else "0"
+            addr = f"{addr} + {ctx.zero}"
+        v = w.var("x")
+        cdt = compute_dtype(e.dtype)
+        mask = "" if ctx.mask == "None" else f", mask={ctx.mask}, other=0"
+        cast = f".to({TL_TYPE[cdt]})" if cdt != e.dtype else ""
+        w.emit(f"{v} = tl.load({ptr} + ({addr}){mask}){cast}")
+        return v
+
+    def _op(self, e: Op, ctx: Ctx) -> str:
+        w = self.w
+        out_c = compute_dtype(e.dtype)
+        args = []
+        for a in e.args:
+            v = self.value(a, ctx)
+            a_c = compute_dtype(a.dtype)
+            if e.op in SAME_TYPE_OPS and a_c != out_c:
+                v = _cast(v, a_c, out_c)
+            elif e.op == "where" and a is not e.args[0] and a_c != out_c:
+                v = _cast(v, a_c, out_c)
+            elif e.op in FLOAT_OPS and not a_c.startswith("float"):
+                v = _cast(v, a_c, "float32")
+            args.append(v)
+        code = _op_code(e, args, out_c, [compute_dtype(a.dtype) for a in e.args])
+        v = w.var()
+        w.emit(f"{v} = {code}")
+        return v
+
+    def _child_ctx(self, key, ctx: Ctx, shape, dims, linear=None, mask=None) -> Ctx:
+        if key not in ctx.children:
+            ctx.children[key] = Ctx(self.w, shape, dims, linear, mask or ctx.mask, ctx.zero)
+        return ctx.children[key]
+
+    def _reindex(self, e: Reindex, ctx: Ctx) -> str:
+        w = self.w
+        child_shape = e.bounds or _shape_of_child(e)
+        dims, conds = [], []
+        for d, m in enumerate(e.maps):
+            if m.kind == "const":
+                dims.append(str(m.start))
+            elif m.kind == "dim":
+                idx = ctx.dim(m.src)
+                if m.step != 1:
+                    idx = f"{idx} * {m.step}"
+                if m.start:
+                    idx = f"({idx} + {m.start})"
+                dims.append(idx)
+            else:
+                dims.append(self.value(m.expr, ctx))
+            if e.bounds is not None:
+                conds.append(f"({dims[-1]} >= 0) & ({dims[-1]} < {e.bounds[d]})")
+        # bind each child index to a variable once
+        bound = []
+        for idx in dims:
+            if idx.isidentifier() or idx.lstrip("-").isdigit():
+                bound.append(idx)
+            else:
+                v = w.var("i")
+                w.emit(f"{v} = {idx}")
+                bound.append(v)
+        mask = ctx.mask
+        inb = None
+        if conds:
+            inb = w.var("inb")
+            conds = [f"({b} >= 0) & ({b} < {e.bounds[d]})" for d, b in enumerate(bound)]
+            w.emit(f"{inb} = " + " & ".join(conds))
+            mask = inb if ctx.mask == "None" else f"({ctx.mask}) & {inb}"
+        child = Ctx(w, child_shape, bound, None, mask, ctx.zero)
+        value = self.value(e.child, child)
+        if inb is None:
+            return value
+        v = w.var()
+        w.emit(f"{v} = tl.where({inb}, {value}, "
+               f"tl.full([], {_literal(e.fill, e.dtype)}, {TL_TYPE[compute_dtype(e.dtype)]}))")
+        return v
+
+    def _reshape(self, e: Reshape, ctx: Ctx) -> str:
+        w = self.w
+        if ctx.linear is not None and ctx.shape == e.parent_shape:
+            linear = ctx.linear
+        else:
+            cs = contiguous_strides(e.parent_shape)
+            terms = [ctx.dim(d) if s == 1 else f"{ctx.dim(d)} * {s}"
+                     for d, s in enumerate(cs) if e.parent_shape[d] != 1]
+            linear = w.var("lin")
+            w.emit(f"{linear} = " + (" + ".join(terms) if terms else "0") + f" + {ctx.zero}")
+        child = self._child_ctx(("reshape", id(e)), ctx, e.child_shape, None, linear)
+        return self.value(e.child, child)
+
+    def _cat(self, e: Cat, ctx: Ctx) -> str:
+        w = self.w
+        idx = ctx.dim(e.dim)
+        result = None
+        for k in reversed(range(len(e.parts))):
+            start, size = e.starts[k], e.sizes[k]
+            inside = w.var("in")
+            w.emit(f"{inside} = ({idx} >= {start}) & ({idx} < {start + size})")
+            dims = [ctx.dim(d) if d != e.dim else None for d in range(len(ctx.shape))]
+            shifted = w.var("i")
+            w.emit(f"{shifted} = {idx} - {start}")
+            dims[e.dim] = shifted
+            mask = inside if ctx.mask == "None" else f"({ctx.mask}) & {inside}"
+            shape = list(ctx.shape)
+            shape[e.dim] = size
+            part = Ctx(w, shape, dims, None, mask, ctx.zero)
+            value = self.value(e.parts[k], part)
+            if result is None:
+                result = value
+            else:
+                v = w.var()
+                w.emit(f"{v} = tl.where({inside}, {value}, {result})")
+                result = v
+        return result
+
+
+def _shape_of_child(e: Reindex):
+    # Without bounds the child shape only matters for unraveling, which Reindex never needs:
+    # every child dimension is given explicitly.
+    return tuple(1 << 30 for _ in e.maps)
+
+
+def _same_layout(strides, contiguous, shape) -> bool:
+    return all(s == c or size == 1 for s, c, size in zip(strides, contiguous, shape))
+
+
+def _cast(v: str, src: str, dst: str) -> str:
+    if dst == "bool":
+        return f"({v} != 0)"
+    return f"{v}.to({TL_TYPE[compute_dtype(dst)]})"
+
+
+def _op_code(e: Op, a: list[str], out_c: str, arg_c: list[str]) -> str:
+    op = e.op
+    binary = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^",
+              "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
+    if op in binary:
+        return f"{a[0]} {binary[op]} {a[1]}"
+    if op == "div":
+        return f"{a[0]} / {a[1]}"
+    if op == "floordiv":
+        return f"{a[0]} // {a[1]}"
+    if op == "neg":
+        return f"-{a[0]}"
+    if op == "not":
+        return f"{a[0]} == 0" if arg_c[0] != "bool" else f"{a[0]} ^ 1"
+    if op == "cast":
+        if e.dtype == "bool":
+            return f"{a[0]} != 0"
+        # round through the storage type, so an explicit cast to bf16/fp16 rounds like torch
+        if e.dtype in ("float16", "bfloat16"):
+            return f"{a[0]}.to({TL_TYPE[e.dtype]}).to(tl.float32)"
+        return f"{a[0]}.to({TL_TYPE[out_c]})"
+    if op in ("exp", "log", "sqrt", "rsqrt", "sin", "cos", "erf", "abs", "floor", "ceil",
+              "sigmoid"):
+        return f"tl.{op}({a[0]})"
+    if op == "reciprocal":
+        return f"1.0 / {a[0]}"
+    if op == "relu":
+        return f"tl.maximum({a[0]}, 0)"
+    if op == "maximum":
+        return f"tl.maximum({a[0]}, {a[1]})"
+    if op == "minimum":
+        return f"tl.minimum({a[0]}, {a[1]})"
+    if op == "where":
+        return f"tl.where({a[0]}, {a[1]}, {a[2]})"
+    if op == "tanh":
+        return _tanh(a[0])
+    if op == "silu":
+        return f"{a[0]} * tl.sigmoid({a[0]})"
+    if op == "gelu":
+        if e.param == "tanh":
+            inner = f"0.7978845608028654 * ({a[0]} + 0.044715 * {a[0]} * {a[0]} * {a[0]})"
+            return f"0.5 * {a[0]} * (1.0 + {_tanh(inner)})"
+        return f"0.5 * {a[0]} * (1.0 + tl.erf({a[0]} * 0.7071067811865476))"
+    if op == "log1p":
+        return f"tl.log(1.0 + {a[0]})"
+    if op == "expm1":
+        return f"tl.exp({a[0]}) - 1.0"
+    if op == "isnan":
+        return f"{a[0]} != {a[0]}"
+    if op == "trunc":
+        return f"tl.where({a[0]} < 0, tl.ceil({a[0]}), tl.floor({a[0]}))"
+    if op == "round":
+        return f"tl.floor({a[0]} + 0.5)"
+    if op == "sign":
+        return f"({a[0]} > 0).to({TL_TYPE[out_c]}) - ({a[0]} < 0).to({TL_TYPE[out_c]})"
+    if op == "remainder":
+        if out_c.startswith("float"):
+            return f"{a[0]} - tl.floor({a[0]} / {a[1]}) * {a[1]}"
+        return f"(({a[0]} % {a[1]}) + {a[1]}) % {a[1]}"
+    if op == "fmod":
+        return f"{a[0]} % {a[1]}"
+    if op == "pow":
+        if len(a) == 1:
+            return _pow_const(a[0], e.param)
+        return f"tl.exp({a[1]} * tl.log({a[0]}))"
+    raise NotImplementedError(f"no code for pointwise op {op!r}")
+
+
+def _tanh(x: str) -> str:
+    """tanh without libdevice (Triton's interpreter has none): a series near 0, exp elsewhere."""
+    x2 = f"(({x}) * ({x}))"
+    series = f"({x}) * (1.0 + {x2} * (-0.3333333333333333 + {x2} * (0.13333333333333333 + {x2} * (-0.05396825396825397 + {x2} * 0.021869488536155203))))"
+    big = f"(1.0 - 2.0 / (tl.exp(2.0 * ({x})) + 1.0))"
+    return f"tl.where(tl.abs({x}) < 0.3, {series}, {big})"
+
+
+def _pow_const(x: str, p: float) -> str:
+    if p == int(p) and 0 <= p <= 8:
+        n = int(p)
+        return "1.0 + 0.0 * " + x if n == 0 else " * ".join([f"({x})"] * n)
+    if p == int(p) and -8 <= p < 0:
+        return "1.0 / (" + " * ".join([f"({x})"] * int(-p)) + ")"
+    if p == 0.5:
+        return f"tl.sqrt({x})"
+    if p == -0.5:
+        return f"tl.rsqrt({x})"
+    return f"tl.exp({p!r} * tl.log({x}))"

@@ -1,0 +1,108 @@
+"""Stage 3: epilogue fusion.
+
+Prologue fusion happens during lowering (pointwise expressions are evaluated inside whichever
+kernel reads them). What is left are pointwise kernels that read the *result* of an earlier
+kernel element for element — a GEMM followed by GELU, a residual add after an output projection,
+the copy of a result into a graph output. Such a consumer is folded into the producer's store:
+the producer's epilogue becomes the consumer's expression with the producer's value in place of
+the load, and the producer writes the consumer's buffer directly.
+"""
+from __future__ import annotations
+
+from .ir import Acc, Kernel, Load, contiguous_strides, loads, numel, walk
+from .views import reshape
+
+FUSABLE_PRODUCERS = {"pointwise", "reduction", "softmax", "layer_norm", "matmul", "attention"}
+
+
+def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
+    readers: dict[int, list[int]] = {}
+    for i, k in enumerate(kernels):
+        for buf in k.reads():
+            readers.setdefault(id(buf), []).append(i)
+    return readers
+
+
+def _identity_load(consumer: Kernel, buf) -> bool:
+    """Every load of `buf` in the consumer reads element i at flat output index i."""
+    found = False
+    for load in loads(consumer.epilogue):
+        if load.buf is not buf:
+            continue
+        found = True
+        want = contiguous_strides(consumer.out_shape)
+        same = all(s == c or size == 1
+                   for s, c, size in zip(load.strides, want, consumer.out_shape))
+        if load.offset != 0 or not same:
+            return False
+    return found
+
+
+def _substitute(expr, buf, value):
+    memo = {}
+
+    def go(node):
+        if id(node) in memo:
+            return memo[id(node)]
+        if isinstance(node, Load) and node.buf is buf:
+            out = value
+        elif hasattr(node, "args"):
+            from .ir import Op
+            out = Op(node.op, [go(a) for a in node.args], node.dtype, node.param)
+        else:
+            out = node
+        memo[id(node)] = out
+        return out
+
+    return go(expr)
+
+
+def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
+    changed = True
+    while changed:
+        changed = False
+        producer_of = {id(k.out): i for i, k in enumerate(kernels)}
+        readers = _readers(kernels)
+        for j, consumer in enumerate(kernels):
+            if consumer.family != "pointwise":
+                continue
+            for buf in consumer.reads():
+                i = producer_of.get(id(buf))
+                if i is None or buf.kind != "arena" or readers.get(id(buf)) != [j]:
+                    continue
+                producer = kernels[i]
+                if producer.family not in FUSABLE_PRODUCERS:
+                    continue
+                if numel(producer.out_shape) != numel(consumer.out_shape):
+                    continue
+                if not _identity_load(consumer, buf):
+                    continue
+                expr = reshape(consumer.epilogue, consumer.out_shape, producer.out_shape)
+                # after the reshape the load of `buf` must still be the identity
+                probe = Kernel("pointwise", consumer.out, producer.out_shape, expr)
+                if not _identity_load(probe, buf) or not _only_ops_above(expr, buf):
+                    continue
+                producer.epilogue = _substitute(expr, buf, producer.epilogue)
+                producer.out = consumer.out
+                producer.label = f"{producer.label}+{consumer.label}"
+                kernels = kernels[:i] + kernels[i + 1:j] + [producer] + kernels[j + 1:]
+                changed = True
+                break
+            if changed:
+                break
+    return kernels
+
+
+def _only_ops_above(expr, buf) -> bool:
+    """The loads of `buf` hang directly under pointwise ops (no reindexing in between), so the
+    producer's value at the output index can replace them."""
+    from .ir import Op
+    for node in walk(expr):
+        if isinstance(node, Op) or isinstance(node, Load):
+            continue
+        if any(isinstance(n, Load) and n.buf is buf for n in walk(node)):
+            return False
+    return True
+
+
+__all__ = ["fuse_epilogues", "Acc"]

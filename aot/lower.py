@@ -1,0 +1,261 @@
+"""Stage 2: core-ATen FX graph → kernel IR.
+
+One handler per ATen op (see `lower_ops.py`). Pointwise ops and views produce lazy expressions
+(`views.TV`); ops that need memory — reductions, GEMMs, attention, graph outputs, values read by
+several consumers — emit a `Kernel` that writes an arena buffer. An op without a handler is a
+compile error that names the op and the line of the user's model it came from.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from . import views
+from .ir import (Buffer, Const, Kernel, Load, Op, Program, contiguous_strides, expr_size,
+                 TRANSCENDENTAL, walk)
+from .views import TV
+
+HANDLERS: dict[Any, Callable] = {}
+
+
+class LoweringError(ValueError):
+    pass
+
+
+def handles(*ops):
+    def register(fn):
+        for op in ops:
+            HANDLERS[op] = fn
+        return fn
+    return register
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).replace("torch.", "")
+    if name not in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+                    "uint8", "bool"):
+        raise LoweringError(f"dtype {dtype} is not supported")
+    return name
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """The user's innermost source line for a node, from torch.export's stack trace."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    frames = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not frames:
+        return "(no source location recorded)"
+    i = frames[-1]
+    code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+    return f"{lines[i]}: {code}".rstrip(": ")
+
+
+class Lowering:
+    """Walks the graph once; holds the kernels emitted so far."""
+
+    def __init__(self, program: ExportedProgram, name: str, options: dict | None = None):
+        self.program = program
+        self.name = name
+        self.options = options or {}
+        self.kernels: list[Kernel] = []
+        self.inputs: list[Buffer] = []
+        self.outputs: list[Buffer] = []
+        self.weights: list[Buffer] = []
+        self.weight_data: dict[str, torch.Tensor] = {}
+        self.env: dict[torch.fx.Node, Any] = {}
+        self._count = 0
+        self.node: torch.fx.Node | None = None
+
+    # ---- buffers and kernels ----------------------------------------------------------------
+    def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None) -> Buffer:
+        self._count += 1
+        return Buffer(name or f"buf{self._count}", kind, dtype, tuple(int(s) for s in shape))
+
+    def emit(self, kernel: Kernel) -> TV:
+        if not kernel.label and self.node is not None:
+            kernel.label = self.node.name
+        self.kernels.append(kernel)
+        return views.contiguous_load(kernel.out)
+
+    def realize(self, tv: TV, into: Buffer | None = None) -> TV:
+        """Make `tv` live in memory (contiguous). A value that already is a whole buffer is free."""
+        expr = tv.expr
+        if (into is None and isinstance(expr, Load) and expr.offset == 0
+                and expr.strides == contiguous_strides(tv.shape) and expr.buf.shape == tv.shape):
+            return tv
+        out = into or self.new_buffer(tv.shape, tv.dtype)
+        return self.emit(Kernel("pointwise", out, tv.shape, tv.expr))
+
+    def operand(self, tv: TV, cheap=True) -> TV:
+        """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it."""
+        from .ir import is_cheap
+        return tv if is_cheap(tv.expr) else self.realize(tv)
+
+    # ---- the walk ----------------------------------------------------------------------------
+    def run(self) -> Program:
+        sig = self.program.graph_signature
+        if sig.buffers_to_mutate:
+            raise LoweringError(
+                "the program mutates buffers "
+                f"({', '.join(sorted(sig.buffers_to_mutate.values()))}); session state is not "
+                "supported in this version")
+        state = dict(self.program.state_dict)
+        state.update(self.program.constants)
+        specs = {spec.arg.name: spec for spec in sig.input_specs}
+        graph = self.program.graph_module.graph
+        folded = fold_constants(graph, specs, state)
+        self._folded_users = set(folded)
+        for node in graph.nodes:
+            self.node = node
+            if node in folded:
+                self.env[node] = self.constant(node, folded[node])
+            elif node.op == "placeholder":
+                self.env[node] = self.placeholder(node, specs[node.name], state)
+            elif node.op == "call_function":
+                self.env[node] = self.call(node)
+            elif node.op == "output":
+                self.output(node, sig)
+        return Program(self.kernels, self.inputs, self.outputs, self.weights, self.weight_data,
+                       self.name)
+
+    def placeholder(self, node, spec, state) -> TV:
+        val = node.meta.get("val")
+        if spec.kind == InputKind.USER_INPUT:
+            if not isinstance(val, torch.Tensor):
+                raise LoweringError(f"input '{node.name}' is not a tensor ({type(val).__name__}); "
+                                    "only tensor inputs are supported")
+            buf = self.new_buffer(val.shape, dtype_name(val.dtype), "input", node.name)
+            self.inputs.append(buf)
+            return views.contiguous_load(buf)
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            tensor = state[spec.target].detach()
+            buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "weight", spec.target)
+            self.weights.append(buf)
+            self.weight_data[buf.name] = tensor.contiguous().cpu()
+            return views.contiguous_load(buf)
+        raise LoweringError(f"input '{node.name}' of kind {spec.kind.name} is not supported")
+
+    def constant(self, node, value):
+        """A value computed at compile time (masks, position ids): stored like a weight."""
+        if not isinstance(value, torch.Tensor):
+            return value
+        if not any(u.op == "output" or u not in self._folded_users for u in node.users):
+            return None
+        buf = self.new_buffer(value.shape, dtype_name(value.dtype), "weight", f"const.{node.name}")
+        self.weights.append(buf)
+        self.weight_data[buf.name] = value.detach().contiguous().cpu()
+        return views.contiguous_load(buf)
+
+    def call(self, node):
+        handler = HANDLERS.get(node.target)
+        if handler is None:
+            raise LoweringError(
+                f"cannot lower {node.target} (node '{node.name}'), used at {source_line(node)}")
+        args = torch.fx.node.map_arg(node.args, lambda n: self.env[n])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self.env[n])
+        try:
+            value = handler(self, node, *args, **kwargs)
+        except LoweringError as exc:
+            if "used at" in str(exc):
+                raise
+            raise LoweringError(f"{exc} — in {node.target} (node '{node.name}'), used at "
+                                f"{source_line(node)}") from exc
+        if isinstance(value, TV) and len(node.users) > 1 and _worth_sharing(value):
+            value = self.realize(value)
+        elif isinstance(value, TV) and expr_size(value.expr) > 160:
+            value = self.realize(value)
+        return value
+
+    def output(self, node, sig):
+        values = node.args[0]
+        user_outputs = [spec for spec in sig.output_specs if spec.kind == OutputKind.USER_OUTPUT]
+        for i, (value, spec) in enumerate(zip(values, sig.output_specs)):
+            if spec.kind != OutputKind.USER_OUTPUT:
+                continue
+            tv = self.env.get(value) if isinstance(value, torch.fx.Node) else None
+            if not isinstance(tv, TV):
+                raise LoweringError(f"output {i} is not a tensor; only tensor outputs are supported")
+            name = f"out{len(self.outputs)}" if len(user_outputs) > 1 else "out"
+            buf = self.new_buffer(tv.shape, tv.dtype, "output", name)
+            self.outputs.append(buf)
+            self.node = value
+            self.realize(tv, into=buf)
+
+
+NOT_FOLDABLE = {torch.ops.aten.rand.default, torch.ops.aten.randn.default,
+                torch.ops.aten.bernoulli.default, torch.ops.aten.native_dropout.default}
+
+
+def fold_constants(graph, specs, state) -> dict:
+    """Evaluate, with torch at compile time, every node that depends on no user input and no
+    parameter: attention masks built from shapes, position ids, constant tables. Parameters stay
+    out so that views of large weights are not duplicated."""
+    values: dict = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            spec = specs[node.name]
+            if spec.kind == InputKind.CONSTANT_TENSOR:
+                values[node] = state[spec.target]
+            continue
+        if node.op != "call_function" or node.target in NOT_FOLDABLE:
+            continue
+        inputs = node.all_input_nodes
+        if not all(n in values for n in inputs):
+            continue
+        if not inputs and not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        args = torch.fx.node.map_arg(node.args, lambda n: values[n])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: values[n])
+        try:
+            with torch.no_grad():
+                values[node] = node.target(*args, **kwargs)
+        except Exception:
+            continue
+    return values
+
+
+def _worth_sharing(tv: TV) -> bool:
+    """A value with several readers is stored once if recomputing it would cost real work."""
+    size = 0
+    for node in walk(tv.expr):
+        size += 1
+        if isinstance(node, Op) and node.op in TRANSCENDENTAL:
+            return True
+    return size > 6
+
+
+def lower(program: ExportedProgram, name: str = "model", options: dict | None = None) -> Program:
+    from . import lower_ops  # noqa: F401  (registers the handlers)
+    return Lowering(program, name, options).run()
+
+
+# ---- helpers shared by the op handlers -------------------------------------------------------
+def out_meta(node):
+    val = node.meta["val"]
+    return tuple(int(s) for s in val.shape), dtype_name(val.dtype)
+
+
+def as_operand(x, shape, dtype: str):
+    """Broadcast a TV (or a Python scalar) to `shape`, in `dtype`."""
+    if isinstance(x, TV):
+        tv = views.expand(x, shape) if x.shape != tuple(shape) else x
+        expr = tv.expr if tv.dtype == dtype else Op("cast", [tv.expr], dtype)
+        return expr
+    if isinstance(x, (bool, int, float)):
+        return Const(_py_value(x, dtype), dtype)
+    raise LoweringError(f"unsupported operand {x!r}")
+
+
+def _py_value(x, dtype):
+    if dtype == "bool":
+        return bool(x)
+    if dtype.startswith("int") or dtype == "uint8":
+        return int(x)
+    return float(x)
+
+
+operator_getitem = operator.getitem

@@ -1,0 +1,596 @@
+"""ATen op handlers: each turns one core-ATen node into lazy expressions or kernels.
+
+Handlers receive the lowering context, the FX node (for its result shape/dtype in `meta["val"]`)
+and the node's arguments with FX nodes replaced by their values (`TV`, tuples of TV, or Python
+scalars).
+"""
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from . import views
+from .ir import Acc, Const, DimMap, Index, Kernel, Op, Reindex, contiguous_strides, numel
+from .lower import LoweringError, as_operand, dtype_name, handles, out_meta
+from .views import TV
+
+aten = torch.ops.aten
+
+
+def _dt(node_or_val):
+    return dtype_name(node_or_val.dtype)
+
+
+def _meta_of(x):
+    """Something torch.result_type accepts: the fake tensor of an FX arg, or the scalar."""
+    return x
+
+
+def _pointwise(L, node, op, *xs, param=None, in_dtype=None):
+    shape, dtype = out_meta(node)
+    args = [as_operand(x, shape, in_dtype or dtype) for x in xs]
+    return TV(Op(op, args, dtype, param), shape)
+
+
+def _common_dtype(node) -> str:
+    """The dtype torch computes a comparison in (the promoted type of its operands)."""
+    metas = []
+    for a in node.args[:2]:
+        if isinstance(a, torch.fx.Node):
+            metas.append(a.meta["val"])
+        else:
+            metas.append(a)
+    if len(metas) == 1:
+        return _dt(metas[0])
+    if not isinstance(metas[0], torch.Tensor) and not isinstance(metas[1], torch.Tensor):
+        return "float32"
+    return dtype_name(torch.result_type(metas[0], metas[1]))
+
+
+# ---- pointwise ---------------------------------------------------------------------------------
+UNARY = {
+    aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log",
+    aten.sqrt.default: "sqrt", aten.rsqrt.default: "rsqrt", aten.tanh.default: "tanh",
+    aten.sigmoid.default: "sigmoid", aten.relu.default: "relu", aten.erf.default: "erf",
+    aten.abs.default: "abs", aten.sin.default: "sin", aten.cos.default: "cos",
+    aten.floor.default: "floor", aten.ceil.default: "ceil", aten.reciprocal.default: "reciprocal",
+    aten.silu.default: "silu", aten.log1p.default: "log1p", aten.expm1.default: "expm1",
+    aten.trunc.default: "trunc", aten.sign.default: "sign", aten.round.default: "round",
+}
+for _op, _name in UNARY.items():
+    handles(_op)(lambda L, node, x, _name=_name: _pointwise(L, node, _name, x))
+
+BINARY = {
+    aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
+    aten.maximum.default: "maximum", aten.minimum.default: "minimum",
+    aten.bitwise_and.Tensor: "and", aten.bitwise_or.Tensor: "or", aten.bitwise_xor.Tensor: "xor",
+    aten.logical_and.default: "and", aten.logical_or.default: "or", aten.logical_xor.default: "xor",
+    aten.remainder.Tensor: "remainder", aten.remainder.Scalar: "remainder",
+    aten.fmod.Tensor: "fmod", aten.fmod.Scalar: "fmod",
+}
+for _op, _name in BINARY.items():
+    handles(_op)(lambda L, node, a, b, _name=_name: _pointwise(L, node, _name, a, b))
+
+COMPARE = {
+    aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne", aten.ne.Scalar: "ne",
+    aten.lt.Tensor: "lt", aten.lt.Scalar: "lt", aten.le.Tensor: "le", aten.le.Scalar: "le",
+    aten.gt.Tensor: "gt", aten.gt.Scalar: "gt", aten.ge.Tensor: "ge", aten.ge.Scalar: "ge",
+}
+for _op, _name in COMPARE.items():
+    handles(_op)(lambda L, node, a, b, _name=_name:
+                 _pointwise(L, node, _name, a, b, in_dtype=_common_dtype(node)))
+
+
+@handles(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar)
+def _add_sub(L, node, a, b, alpha=1):
+    shape, dtype = out_meta(node)
+    name = "add" if node.target in (aten.add.Tensor, aten.add.Scalar) else "sub"
+    if node.target == aten.rsub.Scalar:
+        a, b = b, a
+    rhs = as_operand(b, shape, dtype)
+    if alpha != 1:
+        rhs = Op("mul", [rhs, Const(alpha, dtype)], dtype)
+    return TV(Op(name, [as_operand(a, shape, dtype), rhs], dtype), shape)
+
+
+@handles(aten.div.Tensor_mode)
+def _div_mode(L, node, a, b, rounding_mode=None):
+    shape, dtype = out_meta(node)
+    q = Op("div", [as_operand(a, shape, "float32"), as_operand(b, shape, "float32")], "float32")
+    if rounding_mode == "floor":
+        q = Op("floor", [q], "float32")
+    elif rounding_mode == "trunc":
+        q = Op("trunc", [q], "float32")
+    return TV(Op("cast", [q], dtype), shape)
+
+
+@handles(aten.logical_not.default, aten.bitwise_not.default)
+def _not(L, node, x):
+    return _pointwise(L, node, "not", x)
+
+
+@handles(aten.isnan.default)
+def _isnan(L, node, x):
+    return _pointwise(L, node, "isnan", x, in_dtype=x.dtype)
+
+
+@handles(aten.pow.Tensor_Scalar)
+def _pow_scalar(L, node, x, exponent):
+    return _pointwise(L, node, "pow", x, param=float(exponent))
+
+
+@handles(aten.pow.Tensor_Tensor, aten.pow.Scalar)
+def _pow(L, node, a, b):
+    return _pointwise(L, node, "pow", a, b)
+
+
+@handles(aten.gelu.default)
+def _gelu(L, node, x, approximate="none"):
+    return _pointwise(L, node, "gelu", x, param=approximate)
+
+
+@handles(aten.clamp.default, aten.clamp.Tensor, aten.hardtanh.default)
+def _clamp(L, node, x, lo=None, hi=None):
+    shape, dtype = out_meta(node)
+    expr = as_operand(x, shape, dtype)
+    if lo is not None:
+        expr = Op("maximum", [expr, as_operand(lo, shape, dtype)], dtype)
+    if hi is not None:
+        expr = Op("minimum", [expr, as_operand(hi, shape, dtype)], dtype)
+    return TV(expr, shape)
+
+
+@handles(aten.leaky_relu.default)
+def _leaky_relu(L, node, x, slope=0.01):
+    shape, dtype = out_meta(node)
+    e = as_operand(x, shape, dtype)
+    cond = Op("gt", [e, Const(0.0, dtype)], "bool")
+    return TV(Op("where", [cond, e, Op("mul", [e, Const(slope, dtype)], dtype)], dtype), shape)
+
+
+@handles(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def _where(L, node, cond, a, b):
+    shape, dtype = out_meta(node)
+    return TV(Op("where", [as_operand(cond, shape, "bool"), as_operand(a, shape, dtype),
+                           as_operand(b, shape, dtype)], dtype), shape)
+
+
+@handles(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def _masked_fill(L, node, x, mask, value):
+    shape, dtype = out_meta(node)
+    return TV(Op("where", [as_operand(mask, shape, "bool"), as_operand(value, shape, dtype),
+                           as_operand(x, shape, dtype)], dtype), shape)
+
+
+@handles(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
+         aten.lift_fresh_copy.default, aten.contiguous.default, aten.copy.default)
+def _copy(L, node, x, *rest, **kwargs):
+    shape, dtype = out_meta(node)
+    if node.target == aten.copy.default:  # copy(dst, src): the value of src in dst's shape/dtype
+        x = rest[0]
+    return TV(as_operand(x, shape, dtype), shape)
+
+
+# ---- constants -------------------------------------------------------------------------------
+@handles(aten.full.default, aten.full_like.default, aten.scalar_tensor.default,
+         aten.zeros.default, aten.ones.default, aten.zeros_like.default, aten.ones_like.default,
+         aten.empty.memory_format, aten.empty_like.default, aten.new_zeros.default,
+         aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
+def _full(L, node, *args, **kwargs):
+    shape, dtype = out_meta(node)
+    t = node.target
+    if t in (aten.full.default, aten.full_like.default):
+        value = args[1]
+    elif t == aten.new_full.default:
+        value = args[2]
+    elif t == aten.scalar_tensor.default:
+        value = args[0]
+    elif t in (aten.ones.default, aten.ones_like.default, aten.new_ones.default):
+        value = 1
+    else:
+        value = 0
+    return TV(as_operand(value, shape, dtype), shape)
+
+
+@handles(aten.arange.start_step, aten.arange.default, aten.arange.start)
+def _arange(L, node, *args, **kwargs):
+    shape, dtype = out_meta(node)
+    if node.target == aten.arange.default:
+        start, step = 0, 1
+    else:
+        start = args[0]
+        step = args[2] if len(args) > 2 else kwargs.get("step", 1)
+    kind = "float32" if dtype in ("float32", "float16", "bfloat16", "float64") else "int64"
+    value = Op("add", [Op("mul", [Op("cast", [Index(0)], kind), Const(step, kind)], kind),
+                       Const(start, kind)], kind)
+    return TV(Op("cast", [value], dtype) if kind != dtype else value, shape)
+
+
+# ---- views -----------------------------------------------------------------------------------
+@handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(L, node, x, shape):
+    return views.view(x, out_meta(node)[0])
+
+
+@handles(aten.permute.default)
+def _permute(L, node, x, dims):
+    return views.permute(x, dims)
+
+
+@handles(aten.transpose.int)
+def _transpose(L, node, x, d0, d1):
+    dims = list(range(len(x.shape)))
+    d0, d1 = d0 % len(dims), d1 % len(dims)
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return views.permute(x, dims)
+
+
+@handles(aten.t.default)
+def _t(L, node, x):
+    return views.permute(x, [1, 0]) if len(x.shape) == 2 else x
+
+
+@handles(aten.expand.default, aten.expand_copy.default)
+def _expand(L, node, x, shape, implicit=False):
+    return views.expand(x, out_meta(node)[0])
+
+
+@handles(aten.slice.Tensor, aten.slice_copy.Tensor)
+def _slice(L, node, x, dim=0, start=None, end=None, step=1):
+    return views.slice_(x, dim, start, end, step)
+
+
+@handles(aten.select.int, aten.select_copy.int)
+def _select(L, node, x, dim, index):
+    return views.select(x, dim, index)
+
+
+@handles(aten.unsqueeze.default, aten.unsqueeze_copy.default)
+def _unsqueeze(L, node, x, dim):
+    return views.unsqueeze(x, dim)
+
+
+@handles(aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _squeeze(L, node, x, dims=None):
+    if isinstance(dims, int):
+        dims = [dims]
+    return views.squeeze(x, dims)
+
+
+@handles(aten.split_with_sizes.default, aten.split.Tensor)
+def _split(L, node, x, sizes, dim=0):
+    dim %= len(x.shape)
+    if isinstance(sizes, int):
+        sizes = [sizes] * ((x.shape[dim] + sizes - 1) // sizes)
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(views.slice_(x, dim, start, start + size))
+        start += size
+    return tuple(parts)
+
+
+@handles(aten.unbind.int)
+def _unbind(L, node, x, dim=0):
+    return tuple(views.select(x, dim, i) for i in range(x.shape[dim]))
+
+
+@handles(aten.cat.default)
+def _cat(L, node, tensors, dim=0):
+    shape, dtype = out_meta(node)
+    tensors = [t for t in tensors if numel(t.shape) > 0 or len(t.shape) == len(shape)]
+    return views.cat(tensors, dim, dtype)
+
+
+@handles(aten.stack.default)
+def _stack(L, node, tensors, dim=0):
+    shape, dtype = out_meta(node)
+    dim %= len(shape)
+    return views.cat([views.unsqueeze(t, dim) for t in tensors], dim, dtype)
+
+
+@handles(aten.constant_pad_nd.default)
+def _pad(L, node, x, pad, value=0.0):
+    return views.pad(x, list(pad), value)
+
+
+@handles(operator.getitem)
+def _getitem(L, node, seq, i):
+    value = seq[i]
+    if value is None:
+        raise LoweringError(f"output {i} of {node.args[0].target} is not supported")
+    return value
+
+
+@handles(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+         aten.sym_constrain_range_for_size.default)
+def _ignore(L, node, *args, **kwargs):
+    return None
+
+
+# ---- gathers ---------------------------------------------------------------------------------
+def _index_expr(idx: TV, size: int) -> object:
+    """An index tensor's value with negative indices wrapped (torch semantics)."""
+    e = idx.expr if idx.dtype == "int64" else Op("cast", [idx.expr], "int64")
+    neg = Op("lt", [e, Const(0, "int64")], "bool")
+    return Op("where", [neg, Op("add", [e, Const(size, "int64")], "int64"), e], "int64")
+
+
+@handles(aten.embedding.default)
+def _embedding(L, node, weight, indices, padding_idx=-1, *rest):
+    shape, _ = out_meta(node)
+    n = len(indices.shape)
+    idx = TV(_index_expr(indices, weight.shape[0]), indices.shape)
+    idx_in_out = views.remap(idx.expr, [DimMap("dim", d) for d in range(n)], n + 1)
+    maps = [DimMap("expr", expr=idx_in_out), DimMap("dim", n)]
+    return TV(Reindex(weight.expr, maps), shape)
+
+
+@handles(aten.index.Tensor)
+def _index(L, node, x, indices):
+    shape, _ = out_meta(node)
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    if not dims or dims != list(range(dims[0], dims[0] + len(dims))):
+        raise LoweringError("only adjacent tensor indices are supported in x[...]")
+    k, m = dims[0], len(dims)
+    if any(indices[d].dtype == "bool" for d in dims):
+        raise LoweringError("boolean-mask indexing has a data-dependent size (not supported yet)")
+    bshape = tuple(torch.broadcast_shapes(*[indices[d].shape for d in dims]))
+    nb = len(bshape)
+    maps = []
+    for d in range(len(x.shape)):
+        if d < k:
+            maps.append(DimMap("dim", d))
+        elif d < k + m:
+            idx = views.expand(indices[d], bshape)
+            e = _index_expr(TV(idx.expr, bshape), x.shape[d])
+            e = views.remap(e, [DimMap("dim", k + j) for j in range(nb)], len(shape))
+            maps.append(DimMap("expr", expr=e))
+        else:
+            maps.append(DimMap("dim", d - m + nb))
+    return TV(Reindex(x.expr, maps), shape)
+
+
+@handles(aten.index_select.default)
+def _index_select(L, node, x, dim, index):
+    indices = [None] * len(x.shape)
+    indices[dim % len(x.shape)] = index
+    return _index(L, node, x, indices)
+
+
+@handles(aten.gather.default)
+def _gather(L, node, x, dim, index, sparse_grad=False):
+    shape, _ = out_meta(node)
+    dim %= len(x.shape)
+    maps = [DimMap("dim", d) for d in range(len(x.shape))]
+    maps[dim] = DimMap("expr", expr=_index_expr(index, x.shape[dim]))
+    return TV(Reindex(x.expr, maps), shape)
+
+
+# ---- reductions ------------------------------------------------------------------------------
+def _reduce(L, x: TV, dims, op: str, keepdim: bool, out_dtype: str, scale=None) -> TV:
+    ndim = len(x.shape)
+    dims = sorted({d % ndim for d in (dims if dims else range(ndim))}) if ndim else []
+    kept = [d for d in range(ndim) if d not in dims]
+    out_shape = tuple(x.shape[d] for d in kept)
+    acc_dtype = "float32" if out_dtype in ("float32", "float16", "bfloat16") else (
+        "float64" if out_dtype == "float64" else "int64")
+    if op in ("any", "all"):
+        acc_dtype = "int64"
+    epilogue = Acc(acc_dtype)
+    if scale is not None:
+        epilogue = Op("mul", [epilogue, Const(scale, acc_dtype)], acc_dtype)
+    if op in ("any", "all"):
+        epilogue = Op("ne", [epilogue, Const(0, "int64")], "bool")
+    elif acc_dtype != out_dtype:
+        epilogue = Op("cast", [epilogue], out_dtype)
+    buf = L.new_buffer(out_shape, out_dtype)
+    result = L.emit(Kernel("reduction", buf, out_shape, epilogue,
+                           {"src": x.expr, "src_shape": x.shape, "rdims": tuple(dims), "op": op,
+                            "acc_dtype": acc_dtype}))
+    if keepdim:
+        full = tuple(1 if d in dims else x.shape[d] for d in range(ndim))
+        result = views.view(result, full)
+    return result
+
+
+def _dims_arg(dims):
+    if dims is None:
+        return None
+    return [dims] if isinstance(dims, int) else list(dims)
+
+
+@handles(aten.sum.dim_IntList, aten.sum.default)
+def _sum(L, node, x, dims=None, keepdim=False, dtype=None):
+    shape, out_dtype = out_meta(node)
+    return _reduce(L, x, _dims_arg(dims), "sum", keepdim, out_dtype)
+
+
+@handles(aten.mean.dim, aten.mean.default)
+def _mean(L, node, x, dims=None, keepdim=False, dtype=None):
+    shape, out_dtype = out_meta(node)
+    dims = _dims_arg(dims)
+    count = numel([x.shape[d] for d in dims]) if dims else numel(x.shape)
+    return _reduce(L, x, dims, "sum", keepdim, out_dtype, scale=1.0 / max(count, 1))
+
+
+@handles(aten.amax.default, aten.amin.default)
+def _amax(L, node, x, dims=(), keepdim=False):
+    shape, out_dtype = out_meta(node)
+    op = "max" if node.target == aten.amax.default else "min"
+    return _reduce(L, x, _dims_arg(dims) or None, op, keepdim, out_dtype)
+
+
+@handles(aten.any.dim, aten.any.dims, aten.any.default)
+def _any(L, node, x, dims=None, keepdim=False):
+    src = TV(Op("cast", [Op("ne", [x.expr, Const(0, x.dtype)], "bool")], "int64"), x.shape)
+    return _reduce(L, src, _dims_arg(dims), "max", keepdim, "bool")
+
+
+@handles(aten.var.correction, aten.var_mean.correction)
+def _var(L, node, x, dims=None, correction=None, keepdim=False):
+    dims = _dims_arg(dims)
+    nd = len(x.shape)
+    rd = sorted({d % nd for d in dims}) if dims else list(range(nd))
+    count = numel([x.shape[d] for d in rd])
+    correction = 1 if correction is None else correction
+    dtype = x.dtype
+    mean = _reduce(L, x, rd, "sum", True, dtype, scale=1.0 / count)
+    diff = Op("sub", [x.expr, views.expand(mean, x.shape).expr], dtype)
+    sq = TV(Op("mul", [diff, diff], dtype), x.shape)
+    var = _reduce(L, sq, rd, "sum", keepdim, dtype, scale=1.0 / max(count - correction, 1))
+    if node.target == aten.var_mean.correction:
+        return var, (mean if keepdim else views.squeeze(mean, rd))
+    return var
+
+
+@handles(aten._softmax.default, aten._log_softmax.default)
+def _softmax(L, node, x, dim, half_to_float=False):
+    shape, dtype = out_meta(node)
+    nd = len(x.shape)
+    dim %= max(nd, 1)
+    if nd == 0:
+        return TV(Const(0.0 if node.target == aten._log_softmax.default else 1.0, dtype), shape)
+    perm = [d for d in range(nd) if d != dim] + [dim]
+    src = views.permute(x, perm)
+    buf = L.new_buffer(src.shape, dtype)
+    out = L.emit(Kernel("softmax", buf, src.shape, Acc("float32"),
+                        {"src": src.expr, "log": node.target == aten._log_softmax.default}))
+    inverse = [perm.index(d) for d in range(nd)]
+    return views.permute(out, inverse)
+
+
+@handles(aten.native_layer_norm.default)
+def _layer_norm(L, node, x, normalized_shape, weight, bias, eps):
+    val = node.meta["val"][0]
+    shape, dtype = tuple(int(s) for s in val.shape), dtype_name(val.dtype)
+    n = numel(normalized_shape)
+    rows = numel(x.shape) // max(n, 1)
+    src = views.view(x, (rows, n))
+    inputs = {"src": src.expr, "eps": float(eps)}
+    for key, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            inputs[key] = views.expand(views.view(t, (n,)), (rows, n)).expr
+    buf = L.new_buffer((rows, n), dtype)
+    out = L.emit(Kernel("layer_norm", buf, (rows, n), Acc("float32"), inputs))
+    if any(len(u.users) for u in node.users if u.args[1] != 0):  # getitem 1, 2
+        raise LoweringError("layer_norm's mean/rstd outputs are not supported (inference only)")
+    return views.view(out, shape), None, None
+
+
+# ---- contractions ----------------------------------------------------------------------------
+def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
+    shape, dtype = out_meta(node)
+    if len(a.shape) == 2:
+        a, b = views.unsqueeze(a, 0), views.unsqueeze(b, 0)
+    a, b = L.operand(a), L.operand(b)
+    batch, m, k = a.shape
+    n = b.shape[2]
+    out_shape = (batch, m, n)
+    epilogue = Acc("float32")
+    if epilogue_fn is not None:
+        epilogue = epilogue_fn(epilogue, out_shape)
+    buf = L.new_buffer(shape, dtype)
+    kernel = Kernel("matmul", buf, out_shape, epilogue,
+                    {"a": a.expr, "b": b.expr, "m": m, "n": n, "k": k, "batch": batch,
+                     "fp32_precision": L.options.get("fp32_matmul", "tf32")})
+    return views.view(L.emit(kernel), shape)
+
+
+@handles(aten.mm.default, aten.bmm.default)
+def _mm(L, node, a, b):
+    return _matmul(L, node, a, b)
+
+
+@handles(aten.addmm.default)
+def _addmm(L, node, bias, a, b, beta=1, alpha=1):
+    shape, dtype = out_meta(node)
+
+    def epilogue(acc, out_shape):
+        bias_e = views.unsqueeze(views.expand(bias, shape), 0).expr
+        if bias.dtype != "float32":
+            bias_e = Op("cast", [bias_e], "float32")
+        value = acc if alpha == 1 else Op("mul", [acc, Const(alpha, "float32")], "float32")
+        if beta != 1:
+            bias_e = Op("mul", [bias_e, Const(beta, "float32")], "float32")
+        return Op("add", [value, bias_e], "float32")
+
+    return _matmul(L, node, a, b, epilogue)
+
+
+@handles(aten.convolution.default)
+def _convolution(L, node, x, w, bias, stride, padding, dilation, transposed, output_padding,
+                 groups):
+    """2-D convolution as im2col + GEMM (bias fused into the GEMM's epilogue)."""
+    shape, dtype = out_meta(node)
+    if transposed or groups != 1 or len(x.shape) != 4:
+        raise LoweringError("only 2-D, non-transposed, groups=1 convolutions are supported")
+    nb, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    _, _, oh, ow = shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    # window: [N, OH, OW, C, KH, KW] -> x[n, c, oh*sh + kh*dh - ph, ow*sw + kw*dw - pw]
+    def axis(out_dim, k_dim, s, d, p):
+        e = Op("add", [Op("mul", [Index(out_dim), Const(s, "int64")], "int64"),
+                       Op("mul", [Index(k_dim), Const(d, "int64")], "int64")], "int64")
+        return DimMap("expr", expr=Op("sub", [e, Const(p, "int64")], "int64"))
+    maps = [DimMap("dim", 0), DimMap("dim", 3), axis(1, 4, sh, dh, ph), axis(2, 5, sw, dw, pw)]
+    window = TV(Reindex(x.expr, maps, bounds=x.shape, fill=0.0), (nb, oh, ow, c, kh, kw))
+    cols = L.realize(views.view(window, (nb * oh * ow, c * kh * kw)))
+    wmat = views.permute(views.view(w, (o, c * kh * kw)), [1, 0])
+    bias_fn = None
+    if bias is not None:
+        def bias_fn(acc, out_shape):
+            b = views.expand(views.view(bias, (1, 1, o)), out_shape).expr
+            return Op("add", [acc, b if bias.dtype == "float32" else Op("cast", [b], "float32")],
+                      "float32")
+    fake = _FakeNode((nb * oh * ow, o), dtype)
+    out = _matmul(L, fake, cols, wmat, bias_fn)
+    return views.permute(views.view(out, (nb, oh, ow, o)), [0, 3, 1, 2])
+
+
+class _FakeNode:
+    """Lets an op handler call another handler for an intermediate result shape."""
+
+    def __init__(self, shape, dtype):
+        self.meta = {"val": torch.empty(shape, dtype=getattr(torch, dtype), device="meta")}
+
+
+@handles(aten.scaled_dot_product_attention.default)
+def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    shape, dtype = out_meta(node)
+    if dropout_p:
+        raise LoweringError("attention dropout is not supported (export the model in eval mode)")
+    lead = q.shape[:-2]
+    q4, k4, v4 = (views.view(t, (numel(t.shape[:-2]) if len(t.shape) != 4 else None,) + t.shape[-2:])
+                  if len(t.shape) != 4 else t for t in (q, k, v))
+    if len(q.shape) != 4:
+        q4, k4, v4 = (views.unsqueeze(t, 0) for t in (q4, k4, v4))
+    b, h, lq, d = q4.shape
+    hk, lk, dv = k4.shape[1], k4.shape[2], v4.shape[3]
+    if hk != h:
+        if not enable_gqa or h % hk:
+            raise LoweringError(f"query has {h} heads but key/value have {hk}")
+        rep = h // hk
+        def widen(t):
+            head = Op("floordiv", [Index(1), Const(rep, "int64")], "int64")
+            maps = [DimMap("dim", 0), DimMap("expr", expr=head), DimMap("dim", 2), DimMap("dim", 3)]
+            return TV(Reindex(t.expr, maps), (b, h) + t.shape[2:])
+        k4, v4 = widen(k4), widen(v4)
+    q4, k4, v4 = L.operand(q4), L.operand(k4), L.operand(v4)
+    inputs = {"q": q4.expr, "k": k4.expr, "v": v4.expr, "b": b, "h": h, "lq": lq, "lk": lk,
+              "d": d, "dv": dv, "causal": bool(is_causal),
+              "scale": float(scale) if scale is not None else 1.0 / math.sqrt(d)}
+    if attn_mask is not None:
+        mask = attn_mask
+        while len(mask.shape) < 4:
+            mask = views.unsqueeze(mask, 0)
+        inputs["mask"] = views.expand(mask, (b, h, lq, lk)).expr
+    buf = L.new_buffer((b, h, lq, dv), dtype)
+    out = L.emit(Kernel("attention", buf, (b, h, lq, dv), Acc("float32"), inputs))
+    return views.view(out, shape)
+
+
+__all__ = ["contiguous_strides"]

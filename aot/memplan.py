@@ -1,0 +1,114 @@
+"""Stage 4: the static memory plan and the graph's dependency edges.
+
+Intermediates share one arena. A buffer is live from the kernel that writes it to the last kernel
+that reads it; offsets are assigned greedily, largest first, at the lowest address that no
+overlapping-lifetime buffer occupies. Because ranges are reused, graph edges must follow
+write-after-read and write-after-write on byte ranges as well as read-after-write — the CUDA graph
+then is a true DAG in which independent kernels may overlap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir import Buffer, Kernel
+
+ALIGN = 256
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Placement:
+    buffer: Buffer
+    offset: int
+    nbytes: int
+    first: int      # index of the writing kernel
+    last: int       # index of the last reading kernel
+
+
+@dataclass
+class MemoryPlan:
+    arena_nbytes: int
+    arena: dict[int, Placement]        # id(buffer) -> placement
+    weights_nbytes: int
+    weights: dict[int, int]            # id(buffer) -> offset in the weights region
+
+
+def plan_memory(kernels: list[Kernel], weights: list[Buffer]) -> MemoryPlan:
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    bufs: dict[int, Buffer] = {}
+    for i, k in enumerate(kernels):
+        if k.out.kind == "arena":
+            first.setdefault(id(k.out), i)
+            last.setdefault(id(k.out), i)
+            bufs[id(k.out)] = k.out
+        for b in k.reads():
+            if b.kind == "arena":
+                last[id(b)] = i
+    order = sorted(bufs, key=lambda key: (-bufs[key].nbytes, first[key]))
+    placed: list[Placement] = []
+    for key in order:
+        buf = bufs[key]
+        size = align(max(buf.nbytes, 1))
+        busy = sorted((p.offset, p.offset + p.nbytes) for p in placed
+                      if not (p.last < first[key] or last[key] < p.first))
+        offset = 0
+        for lo, hi in busy:
+            if offset + size <= lo:
+                break
+            offset = max(offset, hi)
+        placed.append(Placement(buf, offset, size, first[key], last[key]))
+    arena_nbytes = max((p.offset + p.nbytes for p in placed), default=0)
+    woffsets, cursor = {}, 0
+    for buf in weights:
+        woffsets[id(buf)] = cursor
+        cursor += align(max(buf.nbytes, 1))
+    return MemoryPlan(arena_nbytes, {id(p.buffer): p for p in placed}, cursor, woffsets)
+
+
+def check_plan(plan: MemoryPlan) -> None:
+    """No two buffers with overlapping lifetimes share bytes (the plan's one invariant)."""
+    items = list(plan.arena.values())
+    for i, a in enumerate(items):
+        for b in items[i + 1:]:
+            lives = not (a.last < b.first or b.last < a.first)
+            overlaps = a.offset < b.offset + b.nbytes and b.offset < a.offset + a.nbytes
+            if lives and overlaps:
+                raise AssertionError(f"memory plan: {a.buffer.name} and {b.buffer.name} overlap")
+
+
+def dependencies(kernels: list[Kernel], plan: MemoryPlan) -> list[list[int]]:
+    """deps[j] = earlier kernels that j must wait for (RAW, WAR, WAW on arena byte ranges and
+    I/O slots). Transitively implied edges are dropped."""
+
+    def ranges(bufs):
+        out = []
+        for b in bufs:
+            if b.kind == "arena":
+                p = plan.arena[id(b)]
+                out.append(("arena", p.offset, p.offset + p.nbytes))
+            elif b.kind in ("input", "output"):
+                out.append(("io", b.slot, b.slot + 1))
+        return out
+
+    writes = [ranges([k.out]) for k in kernels]
+    reads = [ranges(k.reads()) for k in kernels]
+
+    def conflict(xs, ys):
+        return any(a[0] == b[0] and a[1] < b[2] and b[1] < a[2] for a in xs for b in ys)
+
+    deps: list[list[int]] = []
+    ancestors: list[set[int]] = []
+    for j in range(len(kernels)):
+        direct = [i for i in range(j) if conflict(writes[i], reads[j])
+                  or conflict(reads[i], writes[j]) or conflict(writes[i], writes[j])]
+        reach: set[int] = set()
+        for i in direct:
+            reach |= ancestors[i]
+        minimal = [i for i in direct if i not in reach]
+        deps.append(minimal)
+        ancestors.append(reach | set(direct))
+    return deps
