@@ -201,11 +201,13 @@ TRANSCENDENTAL = {"exp", "log", "tanh", "erf", "sigmoid", "sin", "cos", "pow", "
 
 
 def is_cheap(expr: Expr, limit: int = 24) -> bool:
-    """Cheap enough to recompute in every tile that reads it (GEMM/attention operands)."""
+    """Cheap enough to recompute in every tile that reads it (GEMM/attention operands): index
+    arithmetic and plain arithmetic are fine; transcendentals, gathers and concatenations are
+    computed once into memory instead."""
     count = 0
     for node in walk(expr):
         count += 1
-        if isinstance(node, (Cat, Reshape)) or count > limit:
+        if isinstance(node, Cat) or count > limit:
             return False
         if isinstance(node, Reindex) and any(m.kind == "expr" for m in node.maps):
             return False

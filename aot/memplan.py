@@ -91,7 +91,7 @@ def dependencies(kernels: list[Kernel], plan: MemoryPlan) -> list[list[int]]:
                 p = plan.arena[id(b)]
                 out.append(("arena", p.offset, p.offset + p.nbytes))
             elif b.kind in ("input", "output"):
-                out.append(("io", b.slot, b.slot + 1))
+                out.append((f"io:{b.name}", 0, 1))
         return out
 
     writes = [ranges([k.out]) for k in kernels]

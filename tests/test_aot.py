@@ -1,0 +1,136 @@
+"""Compiler tests that need no GPU: lowering, fusion, memory plan, codegen to sm_90 cubins, errors."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import models  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.aot import export, fuse, lower, memplan  # noqa: E402
+from grace.aot.lower import LoweringError  # noqa: E402
+from grace.formats import read_package  # noqa: E402
+
+
+def lowered(model, *inputs):
+    program = export.to_core_aten(export.export_model(model, inputs))
+    prog = lower.lower(program)
+    return prog, fuse.fuse_epilogues(prog.kernels)
+
+
+def families(kernels):
+    return [k.family for k in kernels]
+
+
+def test_mlp_is_two_gemms_with_fused_epilogues():
+    prog, kernels = lowered(models.MLP(), torch.randn(4, 64))
+    # bias + GELU fold into the first GEMM, bias + output copy into the second
+    assert families(kernels) == ["matmul", "matmul"]
+    assert kernels[-1].out.kind == "output"
+
+
+def test_pointwise_chain_is_one_kernel():
+    class Chain(torch.nn.Module):
+        def forward(self, x, y):
+            return torch.sigmoid(x * 2 + y).relu() - y.exp()
+
+    _, kernels = lowered(Chain(), torch.randn(8, 8), torch.randn(8, 8))
+    assert families(kernels) == ["pointwise"]
+
+
+def test_views_cost_no_kernel():
+    class Views(torch.nn.Module):
+        def forward(self, x):
+            return (x.transpose(0, 1)[1:, ::2].unsqueeze(0) * 3).sum(-1)
+
+    _, kernels = lowered(Views(), torch.randn(6, 10))
+    assert families(kernels) == ["reduction"]
+
+
+def test_llama_block_kernel_families():
+    _, kernels = lowered(models.LlamaBlock(), torch.randn(1, 16, 64))
+    fam = families(kernels)
+    assert fam.count("attention") == 1
+    assert fam.count("matmul") == 7          # q, k, v, o, w1, w3, w2
+    assert fam.count("reduction") == 2       # the two RMS norms' mean of squares
+
+
+def test_identical_layers_share_kernels(tmp_path):
+    torch.manual_seed(0)
+    model = models.hf_gpt2(n_layer=3)
+    out = grace_compile(model, (torch.randint(0, 128, (1, 16)),), output=tmp_path / "g.grace",
+                        progress=False)
+    m = read_package(out).manifest
+    stats = m["graphs"][0]["stats"]
+    assert stats["unique_kernels"] < stats["kernels"]
+    names = [m["kernels"][n["kernel"]]["name"] for n in m["graphs"][0]["nodes"]]
+    attention = {n for n in names if n.startswith("attention")}
+    assert len(attention) == 1 and sum(n.startswith("attention") for n in names) == 3
+
+
+def test_memory_plan_has_no_live_overlap():
+    _, kernels = lowered(models.TinyViT(), torch.randn(1, 3, 32, 32))
+    prog, _ = lowered(models.TinyViT(), torch.randn(1, 3, 32, 32))
+    plan = memplan.plan_memory(kernels, prog.weights)
+    memplan.check_plan(plan)
+    total = sum(p.nbytes for p in plan.arena.values())
+    assert plan.arena_nbytes < total, "no arena reuse at all"
+    for p in plan.arena.values():
+        assert p.offset % memplan.ALIGN == 0
+
+
+def test_dependencies_follow_write_after_read():
+    _, kernels = lowered(models.MLP(), torch.randn(4, 64))
+    prog, _ = lowered(models.MLP(), torch.randn(4, 64))
+    plan = memplan.plan_memory(kernels, prog.weights)
+    deps = memplan.dependencies(kernels, plan)
+    assert deps[0] == [] and deps[1] == [0]
+
+
+def test_package_has_sm90_cubins_and_sources(tmp_path):
+    out = grace_compile(models.MLP(), (torch.randn(2, 64),), output=tmp_path / "m.grace",
+                        archs=("sm_90", "sm_80"), progress=False)
+    pkg = read_package(out)
+    m = pkg.manifest
+    assert m["archs"] == ["sm_90", "sm_80"]
+    for kernel in m["kernels"]:
+        for arch in ("sm_90", "sm_80"):
+            blob = bytes(pkg.section(kernel["binaries"][arch]))
+            assert blob[:4] == b"\x7fELF"
+        assert b"@triton.jit" in bytes(pkg.section(kernel["source"]))
+    assert m["graphs"][0]["nodes"][0]["label"] == "table_writer"
+    assert [i["name"] for i in m["inputs"]] == ["x"]
+
+
+def test_unsupported_op_names_op_and_source_line():
+    class Sorts(torch.nn.Module):
+        def forward(self, x):
+            return torch.sort(x).values  # the line the error must point at
+
+    with pytest.raises(LoweringError) as err:
+        lowered(Sorts(), torch.randn(5))
+    msg = str(err.value)
+    assert "aten.sort" in msg
+    assert "test_aot.py" in msg and "torch.sort(x)" in msg
+
+
+def test_mutated_buffers_are_rejected_clearly():
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("n", torch.zeros(1))
+
+        def forward(self, x):
+            self.n.add_(1)
+            return x + self.n
+
+    with pytest.raises(LoweringError, match="mutates buffers"):
+        lowered(Counter(), torch.randn(3))
+
+
+def test_bad_arch_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unsupported arch"):
+        grace_compile(models.MLP(), (torch.randn(2, 64),), output=tmp_path / "m.grace",
+                      archs=("sm_7",), progress=False)
