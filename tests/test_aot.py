@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-import models  # noqa: E402
+from grace.tools import models  # noqa: E402
 
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.aot import export, fuse, lower, memplan  # noqa: E402

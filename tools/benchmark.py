@@ -28,10 +28,9 @@ def _models():
             (lambda: __import__("torch").randn(1, 3, 224, 224, device="cuda"))
 
     def gpt2_6l():
-        import sys
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        import models
         import torch
+
+        from grace.tools import models
         return models.hf_gpt2(n_layer=6, n_embd=768, n_head=12, vocab=50257, n_positions=1024), \
             (lambda: torch.randint(0, 50257, (1, 32), device="cuda"))
 

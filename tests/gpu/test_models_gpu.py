@@ -19,9 +19,7 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU: run these on the H200 (pytest -m gpu)", allow_module_level=True)
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import models  # noqa: E402
-
+from grace.tools import models  # noqa: E402
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.runtime import load  # noqa: E402
 

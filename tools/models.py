@@ -1,4 +1,4 @@
-"""Small models written in plain torch for the tests (and the README example).
+"""Small models written in plain torch: the README example and the tests' workloads.
 
 They cover the op families of the target workloads: a Llama-style block (RMS norm, rotary
 embedding, causal SDPA, SiLU-gated MLP), a ViT-style encoder (patchify convolution, class token,

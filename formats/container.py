@@ -1,0 +1,237 @@
+"""The byte layout of a `.grace` file: header, section index, manifest bytes, aligned sections.
+
+This module knows nothing about what the manifest or the sections mean; it only moves bytes and
+refuses any file whose structure it cannot fully account for. Keeping the layout separate from the
+schema means a reader can list and hash sections (`grace inspect`) even when the manifest is bad.
+
+Layout (all integers little-endian; see SPEC.md §2 for the normative table):
+
+    0    8  magic  b"GRACE\\0PK"
+    8    2  major  u16
+    10   2  minor  u16
+    12   4  flags  u32, reserved, 0
+    16   8  file_nbytes      u64
+    24   8  index_offset     u64
+    32   8  index_nbytes     u64
+    40   8  manifest_offset  u64
+    48   8  manifest_nbytes  u64
+    56   4  section_count    u32
+    60   4  reserved u32, 0
+    64  32  sha256(index)
+    96  32  sha256(manifest)
+    128     index entries: offset u64, nbytes u64, sha256[32], name_len u16, name (utf-8)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from typing import NamedTuple
+
+from .errors import BadMagicError, ChecksumError, FormatError, TruncatedError, UnsupportedVersionError
+
+MAGIC = b"GRACE\0PK"
+FORMAT_VERSION = (1, 0)
+ALIGN = 4096  # section data starts on a page boundary so the weights blob can be mmapped in place
+
+_HEADER = struct.Struct("<8sHHIQQQQQII32s32s")
+HEADER_NBYTES = _HEADER.size  # 128
+_ENTRY = struct.Struct("<QQ32sH")
+_ENTRY_NBYTES = _ENTRY.size  # 50, followed by the name
+_MAX_NAME = 255
+
+# Section names may become file paths (`grace inspect --extract`), so they must be safe relative
+# paths: a closed alphabet, no empty, "." or ".." components.
+_NAME_RE = re.compile(r"[A-Za-z0-9._+\-]+(/[A-Za-z0-9._+\-]+)*")
+
+assert HEADER_NBYTES == 128
+
+
+class SectionEntry(NamedTuple):
+    name: str
+    offset: int
+    nbytes: int
+    sha256: bytes
+
+
+class Container(NamedTuple):
+    version: tuple[int, int]
+    sections: list[SectionEntry]
+    manifest_blob: memoryview
+
+
+def check_section_name(name) -> None:
+    """Reject names that a reader would refuse, so the writer can never produce an unreadable file."""
+    if not isinstance(name, str):
+        raise FormatError(f"section name must be a str, got {type(name).__name__}")
+    encoded = name.encode("utf-8", "replace")
+    if not 1 <= len(encoded) <= _MAX_NAME:
+        raise FormatError(f"section name {name!r}: length must be 1..{_MAX_NAME} bytes")
+    if not _NAME_RE.fullmatch(name) or any(part in (".", "..") for part in name.split("/")):
+        raise FormatError(
+            f"section name {name!r}: must be a relative path of [A-Za-z0-9._+-] components "
+            "separated by '/', without '.' or '..' components")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _byte_view(data) -> memoryview:
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise FormatError(f"section data must be bytes-like, got {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise FormatError("section data must be C-contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def write_container(f, manifest_blob: bytes, sections: dict, version=FORMAT_VERSION) -> int:
+    """Stream a complete container to the binary file object `f`; return the bytes written.
+
+    Sections are written from the caller's buffers without concatenating them, so a multi-GB
+    weights blob is never copied in memory. `version` exists for tests of forward compatibility.
+    """
+    names = list(sections)
+    views = []
+    for name in names:
+        check_section_name(name)
+        views.append(_byte_view(sections[name]))
+
+    encoded_names = [n.encode("utf-8") for n in names]
+    index_offset = HEADER_NBYTES
+    index_nbytes = sum(_ENTRY_NBYTES + len(n) for n in encoded_names)
+    manifest_offset = index_offset + index_nbytes
+    pos = manifest_offset + len(manifest_blob)
+
+    offsets = []
+    for view in views:
+        pos = _align(pos)
+        offsets.append(pos)
+        pos += view.nbytes
+    file_nbytes = pos
+
+    index = b"".join(
+        _ENTRY.pack(off, view.nbytes, hashlib.sha256(view).digest(), len(enc)) + enc
+        for off, view, enc in zip(offsets, views, encoded_names))
+    header = _HEADER.pack(
+        MAGIC, version[0], version[1], 0, file_nbytes, index_offset, index_nbytes,
+        manifest_offset, len(manifest_blob), len(names), 0,
+        hashlib.sha256(index).digest(), hashlib.sha256(manifest_blob).digest())
+
+    f.write(header)
+    f.write(index)
+    f.write(manifest_blob)
+    cur = manifest_offset + len(manifest_blob)
+    for off, view in zip(offsets, views):
+        f.write(bytes(off - cur))
+        f.write(view)
+        cur = off + view.nbytes
+    return file_nbytes
+
+
+def _need(what: str, offset: int, nbytes: int, total: int) -> None:
+    if offset + nbytes > total:
+        raise TruncatedError(
+            f"{what} at [{offset}, {offset + nbytes}) lies past the end of the package ({total} bytes)")
+
+
+def parse_container(buf: memoryview, *, verify: bool = True) -> Container:
+    """Check the structure of `buf` and return the section index and the raw manifest bytes.
+
+    The header, index and manifest hashes are always checked (they are small); `verify` adds the
+    sha256 of every section and the all-zero check of padding, which touch every byte of the file.
+    """
+    total = buf.nbytes
+    head = bytes(buf[:8])
+    if head != MAGIC:
+        if total < len(MAGIC) and MAGIC.startswith(head):
+            raise TruncatedError(f"package is only {total} bytes; the magic alone is 8")
+        raise BadMagicError(f"not a .grace package: magic is {head!r}, expected {MAGIC!r}")
+    if total < 12:
+        raise TruncatedError(f"package is only {total} bytes; the version ends at byte 12")
+    major, minor = struct.unpack_from("<HH", buf, 8)
+    if major != FORMAT_VERSION[0]:
+        raise UnsupportedVersionError(
+            f"package format version {major}.{minor} is not supported by this reader "
+            f"(reads {FORMAT_VERSION[0]}.x, up to {FORMAT_VERSION[0]}.{FORMAT_VERSION[1]})")
+    if total < HEADER_NBYTES:
+        raise TruncatedError(f"package is only {total} bytes; the header is {HEADER_NBYTES}")
+    (_, _, _, flags, file_nbytes, index_offset, index_nbytes, manifest_offset, manifest_nbytes,
+     section_count, reserved, index_sha, manifest_sha) = _HEADER.unpack_from(buf, 0)
+
+    # Fields reserved in our minor may carry meaning in a newer one; only then do we look away.
+    strict = minor <= FORMAT_VERSION[1]
+    if strict and (flags or reserved):
+        raise FormatError(f"reserved header fields must be zero (flags={flags}, reserved={reserved})")
+    if file_nbytes > total:
+        raise TruncatedError(f"package is {total} bytes but its header says {file_nbytes}")
+    if file_nbytes < total:
+        raise FormatError(f"package has {total - file_nbytes} trailing bytes after its declared end")
+
+    _need("section index", index_offset, index_nbytes, total)
+    _need("manifest", manifest_offset, manifest_nbytes, total)
+    index = buf[index_offset:index_offset + index_nbytes]
+    if hashlib.sha256(index).digest() != index_sha:
+        raise ChecksumError("sha256 mismatch in the section index")
+    manifest_blob = buf[manifest_offset:manifest_offset + manifest_nbytes]
+    if hashlib.sha256(manifest_blob).digest() != manifest_sha:
+        raise ChecksumError("sha256 mismatch in the manifest")
+
+    sections = _parse_index(index, section_count)
+    spans = [("header", 0, HEADER_NBYTES), ("section index", index_offset, index_nbytes),
+             ("manifest", manifest_offset, manifest_nbytes)]
+    for s in sections:
+        if s.offset % ALIGN:
+            raise FormatError(f"section {s.name!r}: offset {s.offset} is not {ALIGN}-aligned")
+        _need(f"section {s.name!r}", s.offset, s.nbytes, total)
+        spans.append((f"section {s.name!r}", s.offset, s.nbytes))
+    spans.sort(key=lambda s: (s[1], s[2]))
+    for (a, a_off, a_len), (b, b_off, _) in zip(spans, spans[1:]):
+        if a_off + a_len > b_off:
+            raise FormatError(f"{a} [{a_off}, {a_off + a_len}) overlaps {b} starting at {b_off}")
+
+    if verify:
+        for s in sections:
+            if hashlib.sha256(buf[s.offset:s.offset + s.nbytes]).digest() != s.sha256:
+                raise ChecksumError(f"sha256 mismatch in section {s.name!r}")
+        if strict:
+            _check_padding(buf, spans, total)
+    return Container((major, minor), sections, manifest_blob)
+
+
+def _parse_index(index: memoryview, count: int) -> list[SectionEntry]:
+    if count * _ENTRY_NBYTES > index.nbytes:
+        raise FormatError(f"section index of {index.nbytes} bytes cannot hold {count} entries")
+    sections, seen, pos = [], set(), 0
+    for i in range(count):
+        if pos + _ENTRY_NBYTES > index.nbytes:
+            raise FormatError(f"section index entry {i} is cut off")
+        offset, nbytes, sha, name_len = _ENTRY.unpack_from(index, pos)
+        pos += _ENTRY_NBYTES
+        if pos + name_len > index.nbytes:
+            raise FormatError(f"section index entry {i}: name is cut off")
+        try:
+            name = bytes(index[pos:pos + name_len]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise FormatError(f"section index entry {i}: name is not valid utf-8") from None
+        pos += name_len
+        check_section_name(name)
+        if name in seen:
+            raise FormatError(f"section {name!r} appears twice in the index")
+        seen.add(name)
+        sections.append(SectionEntry(name, offset, nbytes, sha))
+    if pos != index.nbytes:
+        raise FormatError(f"section index has {index.nbytes - pos} unexplained trailing bytes")
+    return sections
+
+
+def _check_padding(buf: memoryview, spans, total: int) -> None:
+    """Padding must be zero so that every byte of a file is covered by a rule (no hidden payload)."""
+    cur = 0
+    for name, off, nbytes in spans + [("end of file", total, 0)]:
+        if off > cur and bytes(buf[cur:off]) != bytes(off - cur):
+            raise FormatError(f"non-zero padding bytes in [{cur}, {off}) before {name}")
+        cur = max(cur, off + nbytes)

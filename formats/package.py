@@ -1,0 +1,186 @@
+"""write_package / read_package: the container, the manifest and the weights checked together.
+
+The rule this module enforces is "validate everything before anyone trusts anything": a Package
+object only exists for a file whose structure, hashes, manifest schema and cross-references
+(sections named by kernels, tensors named by the weights table) have all been checked. The writer
+runs the same checks on what it is about to write, so it cannot produce a file the reader refuses.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import tempfile
+
+import msgpack
+
+from .container import FORMAT_VERSION, Container, parse_container, write_container
+from .errors import FormatError, ManifestError
+from .manifest import validate_manifest
+from .weights import decode_weights
+
+_MAX_MANIFEST = 256 * 1024 * 1024
+
+
+def _unpack_manifest(blob) -> dict:
+    """Decode msgpack with limits tied to the blob size; never executes anything (no ext types)."""
+    if len(blob) > _MAX_MANIFEST:
+        raise FormatError(f"manifest is {len(blob)} bytes, above the {_MAX_MANIFEST}-byte limit")
+    n = len(blob)
+    try:
+        manifest = msgpack.unpackb(
+            blob, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0)
+    except Exception as e:  # msgpack raises a zoo of types for bad input; all mean "corrupt"
+        raise FormatError(f"manifest is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(manifest, dict):
+        raise FormatError(f"manifest must be a msgpack map, got {type(manifest).__name__}")
+    return manifest
+
+
+def _check_weights_section(manifest: dict, blob) -> None:
+    """Each weights-table entry must name a tensor of the same dtype and shape in the section."""
+    tensors = decode_weights(blob)
+    for i, w in enumerate(manifest["weights"]):
+        t = tensors.get(w["name"])
+        if t is None:
+            raise ManifestError(f"weights[{i}]: tensor {w['name']!r} is not in the weights section")
+        if t[0] != w["dtype"] or list(t[1]) != list(w["shape"]):
+            raise ManifestError(f"weights[{i}]: tensor {w['name']!r} is {t[0]}{list(t[1])} in the "
+                                f"weights section but {w['dtype']}{list(w['shape'])} in the manifest")
+
+
+def write_package(path, manifest: dict, sections: dict) -> None:
+    """Validate, then write atomically: a crash leaves either the old file or the new one."""
+    if not isinstance(manifest, dict):
+        raise ManifestError(f"manifest: expected a map, got {type(manifest).__name__}")
+    manifest = {**manifest, "format_version": list(FORMAT_VERSION)}
+    validate_manifest(manifest, section_names=list(sections))
+    try:
+        blob = msgpack.packb(manifest, use_bin_type=True)
+    except Exception as e:
+        raise ManifestError(f"manifest cannot be encoded as msgpack: {e}") from None
+    # Validate what a reader will see (tuples become lists, keys must be strings, ...).
+    validate_manifest(_unpack_manifest(blob), section_names=list(sections))
+    if manifest["weights"]:
+        _check_weights_section(manifest, sections["weights"])
+
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".grace", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write_container(f, blob, sections)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def pack_package_bytes(manifest_blob: bytes, sections: dict, version=FORMAT_VERSION) -> bytes:
+    """A container from an already-encoded manifest, unvalidated: for tests and tools only."""
+    f = io.BytesIO()
+    write_container(f, manifest_blob, sections, version=version)
+    return f.getvalue()
+
+
+def _open_buffer(source):
+    """Return (memoryview, mmap or None, path or None); files are mmapped so sections are zero-copy."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        view = memoryview(source)
+        return (view if view.format == "B" and view.ndim == 1 else view.cast("B")), None, None
+    path = os.fspath(source)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:  # mmap refuses empty files
+            return memoryview(b""), None, path
+        try:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return memoryview(f.read()), None, path
+    return memoryview(mm), mm, path
+
+
+class Package:
+    """A read and fully validated `.grace` package; sections are views into the file's bytes."""
+
+    def __init__(self, buf: memoryview, mm, path, container: Container, manifest: dict):
+        self._buf = buf
+        self._mmap = mm
+        self.path = path
+        self.nbytes = buf.nbytes
+        self.format_version = container.version
+        self.manifest = manifest
+        self._sections = {s.name: s for s in container.sections}
+
+    @property
+    def section_names(self) -> list[str]:
+        return list(self._sections)
+
+    @property
+    def section_info(self) -> list[tuple[str, int, int, str]]:
+        return [(s.name, s.offset, s.nbytes, s.sha256.hex()) for s in self._sections.values()]
+
+    def __contains__(self, name) -> bool:
+        return name in self._sections
+
+    def section(self, name: str) -> memoryview:
+        s = self._sections.get(name)
+        if s is None:
+            raise FormatError(f"package has no section {name!r}")
+        return self._buf[s.offset:s.offset + s.nbytes]
+
+    def close(self) -> None:
+        """Unmap the file; views still held by callers keep the mapping alive until released."""
+        try:
+            self._buf.release()
+            if self._mmap is not None:
+                self._mmap.close()
+        except BufferError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        name = (self.manifest.get("model") or {}).get("name", "?") if isinstance(
+            self.manifest.get("model"), dict) else "?"
+        return (f"<grace.Package {name!r} v{self.format_version[0]}.{self.format_version[1]} "
+                f"{len(self._sections)} sections, {self.nbytes} bytes>")
+
+
+def read_package(source, *, verify: bool = True) -> Package:
+    """Open a package from a path or bytes and validate all of it; raise a FormatError subclass if not.
+
+    verify=False skips hashing section data (the header, index and manifest are always checked).
+    """
+    buf, mm, path = _open_buffer(source)
+    try:
+        container = parse_container(buf, verify=verify)
+        manifest = _unpack_manifest(container.manifest_blob)
+        if manifest.get("format_version") != list(container.version):
+            raise ManifestError(f"format_version: manifest says {manifest.get('format_version')!r}, "
+                                f"the header says {list(container.version)}")
+        names = [s.name for s in container.sections]
+        validate_manifest(manifest, section_names=names)
+        if manifest["weights"]:
+            w = next(s for s in container.sections if s.name == "weights")
+            _check_weights_section(manifest, buf[w.offset:w.offset + w.nbytes])
+        return Package(buf, mm, path, container, manifest)
+    except BaseException:
+        if mm is not None:
+            try:
+                buf.release()
+                mm.close()
+            except BufferError:  # a view is still alive (e.g. in the traceback); GC unmaps later
+                pass
+        raise

@@ -1,0 +1,142 @@
+"""The weights section: a standard safetensors blob, encoded without torch and decoded zero-copy.
+
+safetensors is the interchange format everyone can already read (`safetensors.safe_open` works on an
+extracted section), and it carries bfloat16 as plain bytes. We encode through the safetensors library
+so the blob is exactly what it would write, but decode the (tiny) JSON header ourselves: the library
+copies tensor data into new `bytes`, while the runtime wants views straight into the mmapped package.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import safetensors
+
+from .dtypes import DTYPES, SAFETENSORS_TO_DTYPE, numel
+from .errors import FormatError
+
+_MAX_HEADER = 100 * 1024 * 1024  # same cap as the safetensors reader
+
+
+def _check_tensor(name, dtype, shape, data) -> tuple[tuple[int, ...], memoryview]:
+    if not isinstance(name, str) or not name:
+        raise FormatError(f"weight name must be a non-empty str, got {name!r}")
+    if dtype not in DTYPES:
+        raise FormatError(f"weight {name!r}: unknown dtype {dtype!r} (expected one of {sorted(DTYPES)})")
+    shape = tuple(shape)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise FormatError(f"weight {name!r}: shape must be non-negative ints, got {shape!r}")
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise FormatError(f"weight {name!r}: data must be bytes-like, got {type(data).__name__}") from None
+    if not view.c_contiguous:
+        raise FormatError(f"weight {name!r}: data must be C-contiguous")
+    view = view.cast("B") if (view.format != "B" or view.ndim != 1) else view
+    expected = numel(shape) * DTYPES[dtype][0]
+    if view.nbytes != expected:
+        raise FormatError(f"weight {name!r}: {view.nbytes} bytes of data for {dtype}{list(shape)} "
+                          f"(expected {expected})")
+    return shape, view
+
+
+def encode_weights(tensors: dict) -> bytes:
+    """Serialize {name: (dtype, shape, data)} into a safetensors blob; `data` is raw little-endian bytes."""
+    specs, keep_alive = {}, []
+    for name, (dtype, shape, data) in tensors.items():
+        shape, view = _check_tensor(name, dtype, shape, data)
+        arr = np.frombuffer(view, dtype=np.uint8)  # only to obtain a stable data pointer
+        keep_alive.append(arr)
+        specs[name] = (dtype, shape, arr)
+    if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.7: raw pointers
+        payload = {n: safetensors.TensorSpec(dtype=d, shape=list(s), data_ptr=a.ctypes.data,
+                                             data_len=a.nbytes)
+                   for n, (d, s, a) in specs.items()}
+    else:  # older safetensors: dicts holding the bytes
+        payload = {n: {"dtype": d, "shape": list(s), "data": a.tobytes()}
+                   for n, (d, s, a) in specs.items()}
+    blob = bytes(safetensors.serialize(payload))
+    del keep_alive
+    return blob
+
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise FormatError(f"weights: safetensors header repeats the key {k!r}")
+        out[k] = v
+    return out
+
+
+def decode_weights(blob) -> dict[str, tuple[str, tuple[int, ...], memoryview]]:
+    """Parse a safetensors blob into {name: (dtype, shape, view)}; views alias `blob` (no copies).
+
+    Applies the safetensors rules strictly: a bounded JSON header, known dtypes, sizes that match
+    shapes, and tensor data that covers the buffer exactly without overlap.
+    """
+    try:
+        buf = memoryview(blob)
+    except TypeError:
+        raise FormatError(f"weights: expected bytes-like data, got {type(blob).__name__}") from None
+    if buf.format != "B" or buf.ndim != 1:
+        buf = buf.cast("B")
+    if buf.nbytes < 8:
+        raise FormatError(f"weights: safetensors blob is {buf.nbytes} bytes, shorter than its 8-byte header length")
+    (header_len,) = struct.unpack_from("<Q", buf, 0)
+    if header_len > _MAX_HEADER or 8 + header_len > buf.nbytes:
+        raise FormatError(f"weights: safetensors header length {header_len} exceeds the blob ({buf.nbytes} bytes)")
+    try:
+        header = json.loads(bytes(buf[8:8 + header_len]).decode("utf-8"),
+                            object_pairs_hook=_no_duplicate_keys)
+    except FormatError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"weights: safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise FormatError("weights: safetensors header must be a JSON object")
+
+    data = buf[8 + header_len:]
+    out, spans = {}, []
+    for name, info in header.items():
+        if name == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise FormatError("weights: __metadata__ must map strings to strings")
+            continue
+        out[name] = _decode_entry(name, info, data)
+        spans.append((info["data_offsets"][0], info["data_offsets"][1], name))
+
+    spans.sort()
+    cur = 0
+    for begin, end, name in spans:
+        if begin != cur:
+            raise FormatError(f"weights: tensor {name!r} starts at {begin}, expected {cur} "
+                              "(tensor data must be contiguous and non-overlapping)")
+        cur = end
+    if cur != data.nbytes:
+        raise FormatError(f"weights: tensors cover {cur} of {data.nbytes} data bytes")
+    return out
+
+
+def _decode_entry(name: str, info, data: memoryview):
+    if not isinstance(info, dict):
+        raise FormatError(f"weights: entry {name!r} must be an object")
+    code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if code not in SAFETENSORS_TO_DTYPE:
+        raise FormatError(f"weights: tensor {name!r} has unsupported dtype {code!r}")
+    if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise FormatError(f"weights: tensor {name!r} has a bad shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data.nbytes):
+        raise FormatError(f"weights: tensor {name!r} has bad data_offsets {offsets!r} "
+                          f"(data is {data.nbytes} bytes)")
+    dtype = SAFETENSORS_TO_DTYPE[code]
+    expected = numel(shape) * DTYPES[dtype][0]
+    if offsets[1] - offsets[0] != expected:
+        raise FormatError(f"weights: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, "
+                          f"but {dtype}{shape} needs {expected}")
+    return dtype, tuple(shape), data[offsets[0]:offsets[1]]

@@ -1,0 +1,227 @@
+"""Arrays in and out of the runtime.
+
+In: `as_record(obj, what, stream)` turns whatever the caller passed into an ArrayRecord, zero-copy:
+  1. a DeviceArray (ours);
+  2. a numpy array -> host record; the session copies it into a staging buffer;
+  3. a torch tensor, read through its own attributes (data_ptr, shape, stride, dtype, get_device)
+     without importing torch: cheaper than either protocol, and it covers bfloat16, which torch
+     cannot express through __cuda_array_interface__;
+  4. `__cuda_array_interface__` (CuPy, Numba, ...), unless it is missing, raises, or has a type we
+     cannot name;
+  5. `__dlpack__` (JAX, CuPy, ...): the capsule is read, not consumed, and kept alive by the session.
+
+Out: DeviceArray, a view of session memory exposing both protocols and `.numpy()`. Every run()
+rewrites the session's output buffers, so an array from an earlier run() is *stale*: any use of it
+raises StaleOutputError instead of returning the newer data.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import dlpack, driver, dtypes
+from .errors import InputError, StaleOutputError
+from .validate import ArrayRecord, contiguous_strides
+
+
+class DeviceArray:
+    """A C-contiguous array in device memory: `.shape`, `.dtype` (a name such as "float32"),
+    `.numpy()`, `__cuda_array_interface__` (v3) and `__dlpack__`.
+
+    bfloat16: `.numpy()` returns float32 (numpy has no bfloat16; the upcast is exact), and
+    `__cuda_array_interface__` reports typestr "<V2" (raw 2-byte items); use `torch.from_dlpack`
+    to get a real bfloat16 tensor.
+
+    A tensor imported through a protocol (torch.from_dlpack(out)) shares this memory: it keeps the
+    session from being garbage-collected, but it is *not* checked for staleness (the next run()
+    overwrites it) and it dangles once the session is close()d. Clone it to keep the values.
+    """
+
+    __slots__ = ("_ptr", "_shape", "_dtype", "_device", "_owner", "_generation", "_name", "__weakref__")
+
+    def __init__(self, ptr: int, shape, dtype: str, device: int = 0, owner=None, name: str = "array"):
+        self._ptr = int(ptr)
+        self._shape = tuple(shape)
+        self._dtype = dtype
+        self._device = device
+        self._owner = owner  # a Session (or None): supplies _generation, _closed and stream hooks
+        self._generation = owner._generation if owner is not None else 0
+        self._name = name
+
+    def _check(self) -> None:
+        owner = self._owner
+        if owner is not None and owner._generation != self._generation:
+            if owner._closed:
+                raise StaleOutputError(f"output '{self._name}' belongs to a session that was closed")
+            raise StaleOutputError(
+                f"output '{self._name}' was overwritten by a later run(); copy it (.numpy(), or "
+                "clone the tensor) before the next run(), or use out=")
+
+    # --- metadata
+    @property
+    def ptr(self) -> int:
+        self._check()
+        return self._ptr
+
+    @property
+    def shape(self) -> tuple:
+        self._check()
+        return self._shape
+
+    @property
+    def dtype(self) -> str:
+        self._check()
+        return self._dtype
+
+    @property
+    def device(self) -> int:
+        self._check()
+        return self._device
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * dtypes.itemsize(self._dtype)
+
+    @property
+    def strides(self) -> tuple:
+        """In elements (always C-contiguous)."""
+        return contiguous_strides(self.shape)
+
+    def __repr__(self) -> str:
+        stale = ""
+        if self._owner is not None and self._owner._generation != self._generation:
+            stale = ", stale"
+        return (f"DeviceArray({self._name!r}, shape={list(self._shape)}, dtype={self._dtype}, "
+                f"cuda:{self._device}{stale})")
+
+    # --- copies
+    def numpy(self) -> np.ndarray:
+        """Copy to a new host array (waits for the run that produced it). bfloat16 -> float32."""
+        self._check()
+        bf16 = self._dtype == "bfloat16"
+        host = np.empty(self._shape, dtype=np.uint16 if bf16 else np.dtype(self._dtype))
+        if self._owner is not None:
+            self._owner._to_host(host.ctypes.data, self._ptr, host.nbytes)
+        else:
+            driver.copy_dtoh(host.ctypes.data, self._ptr, host.nbytes)
+        if bf16:  # bfloat16 is the top half of a float32
+            host = (host.astype(np.uint32) << 16).view(np.float32)
+        return host
+
+    # --- protocols
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        self._check()
+        stream = self._owner._cai_stream if self._owner is not None else None
+        return {"shape": self._shape, "typestr": dtypes.typestr(self._dtype), "data": (self._ptr, False),
+                "strides": None, "version": 3, "stream": stream}
+
+    def __dlpack_device__(self) -> tuple:
+        return (dlpack.KDL_CUDA, self._device)
+
+    def __dlpack__(self, stream=None, *, max_version=None, dl_device=None, copy=None):
+        """A legacy "dltensor" capsule (allowed for any max_version). `stream` is the consumer's
+        stream (None or 1: legacy default, 2: per-thread default, -1: no synchronisation); the
+        consumer's later work on it is ordered after the run that produced this array."""
+        self._check()
+        if copy:
+            raise BufferError("DeviceArray.__dlpack__ cannot copy; use copy=None or copy=False")
+        if dl_device is not None and tuple(dl_device) != (dlpack.KDL_CUDA, self._device):
+            raise BufferError(f"DeviceArray lives on cuda:{self._device}, not DLPack device {tuple(dl_device)}")
+        if self._owner is not None and stream != -1:
+            self._owner._order_consumer(1 if stream is None else stream)
+        return dlpack.export_capsule(self._ptr, self._shape, dtypes.itemsize(self._dtype),
+                                     dtypes.dlpack_code(self._dtype), (dlpack.KDL_CUDA, self._device), self)
+
+
+# ------------------------------------------------------------------------------------ input side
+
+def as_record(obj, what: str, dlpack_stream: int) -> ArrayRecord:
+    """Describe `obj` (see the module docstring for the order of preference). `what` names the
+    argument in errors ("input 'x'"); `dlpack_stream` is the stream the data will be read on."""
+    if isinstance(obj, DeviceArray):
+        obj._check()
+        return ArrayRecord(obj._ptr, obj._shape, None, obj._dtype, obj._device, owner=obj._owner)
+    if isinstance(obj, np.ndarray):
+        return _from_numpy(obj, what)
+    module = type(obj).__module__
+    if module == "torch" or module.startswith("torch."):
+        return _from_torch(obj, what)
+    try:
+        cai = obj.__cuda_array_interface__
+    except Exception:  # missing, or refused (torch raises for bf16 and for requires_grad)
+        cai = None
+    if cai is not None:
+        rec = _from_cai(cai, what, has_dlpack=hasattr(obj, "__dlpack__"))
+        if rec is not None:
+            return rec
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, what, dlpack_stream)
+    raise InputError(f"{what}: expected a CUDA array (an object with __cuda_array_interface__ or "
+                     f"__dlpack__: torch, CuPy, JAX, ...) or a numpy array, got {type(obj).__name__}")
+
+
+def _from_numpy(arr: np.ndarray, what: str) -> ArrayRecord:
+    dtype = dtypes.from_typestr(arr.dtype.str)
+    if dtype is None:
+        raise InputError(f"{what}: numpy dtype {arr.dtype} is not supported (numpy has no bfloat16: "
+                         "pass bfloat16 data as a device array)")
+    return ArrayRecord(arr.ctypes.data, arr.shape, None, dtype, "cpu", host=arr)
+
+
+def _from_torch(t, what: str) -> ArrayRecord:
+    device = t.get_device()  # -1 for CPU tensors
+    if device < 0:
+        raise InputError(f"{what}: is a CPU tensor; pass x.cuda() (zero-copy) or x.numpy() (host copy)")
+    return ArrayRecord(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtypes.from_torch(t.dtype), device)
+
+
+def _from_cai(cai: dict, what: str, has_dlpack: bool):
+    dtype = dtypes.from_typestr(cai.get("typestr"))
+    if dtype is None:
+        if has_dlpack:
+            return None  # let DLPack describe the type
+        raise InputError(f"{what}: __cuda_array_interface__ typestr {cai.get('typestr')!r} is not supported")
+    if cai.get("mask") is not None:
+        raise InputError(f"{what}: masked arrays are not supported")
+    ptr, readonly = cai["data"]
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    if strides is not None:
+        size = dtypes.itemsize(dtype)
+        if any(s % size for s in strides):
+            raise InputError(f"{what}: byte strides {list(strides)} are not multiples of the item size {size}")
+        strides = tuple(s // size for s in strides)
+    stream = cai.get("stream") if cai.get("version", 0) >= 3 else None
+    return ArrayRecord(ptr, shape, strides, dtype, None, readonly=bool(readonly), stream=stream)
+
+
+def _from_dlpack(obj, what: str, stream: int) -> ArrayRecord:
+    device_fn = getattr(obj, "__dlpack_device__", None)
+    if device_fn is not None:
+        kind, _ = device_fn()
+        if kind not in (dlpack.KDL_CUDA, dlpack.KDL_CUDA_MANAGED):
+            raise InputError(f"{what}: lives on DLPack device type {kind}, not CUDA; move it to the GPU "
+                             "or pass a numpy array")
+    try:
+        capsule = obj.__dlpack__(stream=stream)
+    except TypeError:  # producers older than the `stream` keyword
+        capsule = obj.__dlpack__()
+    t = dlpack.parse_capsule(capsule)
+    if t.device[0] not in (dlpack.KDL_CUDA, dlpack.KDL_CUDA_MANAGED):
+        raise InputError(f"{what}: lives on DLPack device type {t.device[0]}, not CUDA")
+    dtype = dtypes.from_dlpack(*t.code_bits_lanes)
+    if dtype is None:
+        raise InputError(f"{what}: DLPack dtype (code, bits, lanes) = {t.code_bits_lanes} is not supported")
+    return ArrayRecord(t.ptr, t.shape, t.strides, dtype, t.device[1], readonly=t.readonly, keep=capsule)

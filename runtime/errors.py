@@ -1,0 +1,38 @@
+"""The errors the runtime raises. Each says what went wrong and what to do about it.
+
+All of them derive from GraceRuntimeError, so `except GraceRuntimeError` catches anything the runtime
+refuses. A bad package file is reported by grace.formats (FormatError) before the runtime looks at it.
+"""
+
+
+class GraceRuntimeError(RuntimeError):
+    """Base class; also used directly for CUDA driver failures (the message names the call and error)."""
+
+
+class NoDeviceError(GraceRuntimeError):
+    """No usable CUDA driver or device. The message points to the CPU reference executor."""
+
+    HINT = ("to run a package without a GPU, use the CPU reference executor: "
+            "`grace run --interpret PACKAGE`")
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}; {self.HINT}")
+
+
+class InputError(GraceRuntimeError, ValueError):
+    """An input (or an out= array) does not match the package; the message names it. Raised before
+    anything is launched, so a failed run() leaves the session unchanged."""
+
+
+class StaleOutputError(GraceRuntimeError):
+    """An output array was read after its session ran again (its memory now holds the newer result)."""
+
+
+class PackageMismatchError(GraceRuntimeError):
+    """The package cannot run here: no binary for this GPU's architecture, or a feature it needs is
+    not supported by this runtime."""
+
+
+class InvalidPackageError(GraceRuntimeError):
+    """The manifest passed the format checks but contradicts itself (a kernel argument outside its
+    region, a node that depends on a later node, ...). A compiler bug or a hand-edited package."""

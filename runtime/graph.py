@@ -1,0 +1,207 @@
+"""The package's CUDA graph, built node by node from the manifest (no stream capture).
+
+    plan_graph(manifest)             pure; run by load(). Checks graphs[0] against kernels, regions and
+                                     the table, and turns every node into a NodePlan.
+    param_values(plan, bases, words) pure; the 8-byte value of each kernel parameter of one node.
+    ExecutableGraph(plans, ...)      driver; cuGraphCreate, cuGraphAddKernelNode per node,
+                                     cuGraphInstantiate. Per call: cuGraphExecKernelNodeSetParams on
+                                     the nodes that take table words (the table writer), cuGraphLaunch.
+
+Kernel parameters. Kernel ABI (docs/architecture.md): the kernel's declared parameters, then
+`hidden_params` null pointers (Triton 3.6: global and profile scratch). Region arguments become
+`base(region) + offset`; `{"word": i}` arguments become table word i.
+
+How they reach the driver: CUDA_KERNEL_NODE_PARAMS.kernelParams is a `void**`, one pointer per
+parameter to that parameter's value. cuda-bindings 13.3.1 accepts a plain int there and uses it as an
+already built `void**` (cuda/bindings/_lib/utils.pxi, `_HelperKernelParams`: "user gave us an already
+configured void** address"). So each node owns a ParamBlock: one 8-byte cell per parameter (pointers
+and i64 words alike; a 4-byte int would read the low half, little-endian) and a `void*[]` pointing at
+the cells. The driver copies the values when a node is added and on every SetParams, so the table
+writer's cells are simply rewritten in place before each call, with no Python objects rebuilt.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from . import driver
+from .driver import call, check
+from .errors import InvalidPackageError, PackageMismatchError
+
+REGIONS = ("weights", "arena", "table")  # what a {"region": ...} argument may name
+INT_PARAM_TYPES = {"i64", "u64", "i32", "u32"}
+_U64 = (1 << 64) - 1
+
+
+class NodePlan:
+    """One kernel node, checked: which kernel, launch shape, and where each parameter comes from."""
+
+    __slots__ = ("index", "where", "kernel", "grid", "block", "shared", "args", "deps")
+
+    def __init__(self, index, where, kernel, grid, block, shared, args, deps):
+        self.index = index      # position in the graph
+        self.where = where      # "graph 'main' node 3 (addmm+relu)", for messages
+        self.kernel = kernel    # index into manifest["kernels"]
+        self.grid = grid        # (x, y, z) blocks
+        self.block = block      # threads per block: 32 * num_warps
+        self.shared = shared    # dynamic shared memory in bytes
+        self.args = args        # per parameter: ("region", name, offset) | ("word", i) | ("zero",)
+        self.deps = deps        # indices of earlier nodes
+
+
+def table_word_count(manifest) -> int:
+    return sum(1 + 2 * slot["rank"] for slot in manifest["table"]["slots"])
+
+
+def plan_graph(manifest, graph_index: int = 0) -> list:
+    """Check one graph of the manifest and return its NodePlans (in execution order)."""
+    graphs = manifest.get("graphs") or []
+    if not graphs:
+        raise InvalidPackageError("the package contains no graph")
+    graph = graphs[graph_index]
+    kernels, regions = manifest["kernels"], manifest["regions"]
+    n_words = table_word_count(manifest)
+    plans = []
+    for i, node in enumerate(graph["nodes"]):
+        where = f"graph {graph.get('name', graph_index)!r} node {i} ({node.get('label', '?')})"
+        k = node["kernel"]
+        if not 0 <= k < len(kernels):
+            raise InvalidPackageError(f"{where}: kernel index {k} is out of range ({len(kernels)} kernels)")
+        kernel = kernels[k]
+        if kernel.get("global_scratch_size", 0) or kernel.get("profile_scratch_size", 0):
+            raise PackageMismatchError(
+                f"{where}: kernel {kernel['name']} needs Triton global/profile scratch memory "
+                f"({kernel.get('global_scratch_size', 0)}/{kernel.get('profile_scratch_size', 0)} bytes), "
+                "which this runtime does not provide yet")
+        params, args = kernel["params"], node["args"]
+        if len(args) != len(params):
+            raise InvalidPackageError(f"{where}: {len(args)} arguments for the {len(params)} parameters "
+                                      f"of kernel {kernel['name']}")
+        plan_args = [_plan_arg(where, p, a, regions, n_words) for p, a in zip(params, args)]
+        plan_args += [("zero",)] * kernel["hidden_params"]
+        deps = tuple(node.get("deps", ()))
+        for d in deps:
+            if not 0 <= d < i:
+                raise InvalidPackageError(f"{where}: depends on node {d}, which does not come before it")
+        grid = tuple(node["grid"])
+        if len(grid) != 3 or not all(isinstance(g, int) and g >= 1 for g in grid):
+            raise InvalidPackageError(f"{where}: grid {list(grid)} must be three positive ints")
+        plans.append(NodePlan(i, where, k, grid, 32 * kernel["num_warps"], kernel["shared"],
+                              tuple(plan_args), deps))
+    return plans
+
+
+def _plan_arg(where, param, arg, regions, n_words):
+    name, ptype = param["name"], param["type"]
+    if "region" in arg:
+        region = arg["region"]
+        if region not in REGIONS:
+            raise PackageMismatchError(f"{where}: parameter {name} points into region {region!r}, "
+                                       f"which this runtime does not support (it has {', '.join(REGIONS)})")
+        if not ptype.startswith("*"):
+            raise InvalidPackageError(f"{where}: parameter {name} has type {ptype} but gets a pointer")
+        offset, nbytes = arg["offset"], arg.get("nbytes", 0)
+        if offset < 0 or nbytes < 0 or offset + nbytes > regions[region]:
+            raise InvalidPackageError(f"{where}: parameter {name} covers [{offset}, {offset + nbytes}) "
+                                      f"of region {region}, which has {regions[region]} bytes")
+        return ("region", region, offset)
+    if "word" in arg:
+        word = arg["word"]
+        if ptype not in INT_PARAM_TYPES:
+            raise InvalidPackageError(f"{where}: parameter {name} has type {ptype} but gets table word {word}")
+        if not 0 <= word < n_words:
+            raise InvalidPackageError(f"{where}: parameter {name} reads table word {word}, but the "
+                                      f"table has {n_words} words")
+        return ("word", word)
+    raise InvalidPackageError(f"{where}: parameter {name}: unknown argument {arg!r}")
+
+
+def param_values(plan: NodePlan, bases: dict, words) -> tuple:
+    """(values, word_positions): the value of every parameter of `plan`, and (position, word index)
+    for each parameter that is a table word. `bases` maps region name -> device address."""
+    values, word_positions = [], []
+    for pos, arg in enumerate(plan.args):
+        if arg[0] == "region":
+            values.append(bases[arg[1]] + arg[2])
+        elif arg[0] == "word":
+            values.append(words[arg[1]])
+            word_positions.append((pos, arg[1]))
+        else:
+            values.append(0)
+    return values, word_positions
+
+
+class ParamBlock:
+    """The memory behind one node's kernelParams: 8-byte cells and the void*[] that points at them."""
+
+    def __init__(self, values):
+        n = len(values)
+        self.cells = (ctypes.c_uint64 * n)(*(v & _U64 for v in values))
+        base = ctypes.addressof(self.cells)
+        self.pointers = (ctypes.c_void_p * n)(*(base + 8 * i for i in range(n)))
+        self.address = ctypes.addressof(self.pointers)  # what kernelParams receives
+
+
+class ExecutableGraph:
+    """An instantiated graph. `sinks(w)` lists the (cells, position) pairs that hold table word w;
+    write new values there, then `launch(stream)`."""
+
+    def __init__(self, plans, functions, bases: dict, words):
+        cu = driver.cuda()
+        self._cu = cu
+        self.graph = call(cu.cuGraphCreate, 0)
+        self.exec = None
+        self._keep = []      # every node's ParamBlock and CUDA_KERNEL_NODE_PARAMS, for the graph's life
+        self._dynamic = []   # (node, CUDA_KERNEL_NODE_PARAMS) of nodes that take table words
+        self._sinks = {}     # word index -> [(cells, position)]
+        try:
+            nodes = []
+            for plan in plans:
+                values, word_positions = param_values(plan, bases, words)
+                block = ParamBlock(values)
+                p = cu.CUDA_KERNEL_NODE_PARAMS()
+                p.func = functions[plan.kernel]
+                p.gridDimX, p.gridDimY, p.gridDimZ = plan.grid
+                p.blockDimX, p.blockDimY, p.blockDimZ = plan.block, 1, 1
+                p.sharedMemBytes = plan.shared
+                p.kernelParams = block.address
+                deps = [nodes[d] for d in plan.deps]
+                node = check(cu.cuGraphAddKernelNode(self.graph, deps, len(deps), p),
+                             f"cuGraphAddKernelNode for {plan.where}")
+                nodes.append(node)
+                self._keep.append((block, p))
+                if word_positions:
+                    self._dynamic.append((node, p))
+                    for pos, word in word_positions:
+                        self._sinks.setdefault(word, []).append((block.cells, pos))
+            self.exec = call(cu.cuGraphInstantiate, self.graph, 0)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def sinks(self, word: int) -> list:
+        return self._sinks.get(word, [])
+
+    def upload(self, stream) -> None:
+        """Move the graph to the device now, so the first launch does not pay for it."""
+        call(self._cu.cuGraphUpload, self.exec, stream)
+
+    def launch(self, stream) -> None:
+        """Push the current table words into the writer node(s), then launch. The hot path."""
+        cu, exe = self._cu, self.exec
+        for node, params in self._dynamic:
+            result = cu.cuGraphExecKernelNodeSetParams(exe, node, params)
+            if result[0]:
+                check(result, "cuGraphExecKernelNodeSetParams")
+        result = cu.cuGraphLaunch(exe, stream)
+        if result[0]:
+            check(result, "cuGraphLaunch")
+
+    def destroy(self) -> None:
+        cu = self._cu
+        if self.exec is not None:
+            call(cu.cuGraphExecDestroy, self.exec)
+            self.exec = None
+        if self.graph is not None:
+            call(cu.cuGraphDestroy, self.graph)
+            self.graph = None

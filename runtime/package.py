@@ -1,0 +1,197 @@
+"""load(): from a `.grace` file to kernels on the GPU and weights in device memory.
+
+    read      grace.formats.read_package: magic, versions, sha256 of every section, manifest schema
+    check     the graph's kernel arguments against their regions and the table (graph.plan_graph)
+    device    cuInit, primary context; the GPU's arch picks the kernel binaries (PackageMismatchError)
+    kernels   cuModuleLoadData + cuModuleGetFunction per kernel; opt in to >48 KiB shared memory
+    weights   one cuMemAlloc for the weights region; each tensor copied to base + offset
+
+Everything that depends on a call (arena, table, outputs, graph, stream) belongs to a Session.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from . import driver, graph
+from .driver import call
+from .errors import GraceRuntimeError, InvalidPackageError, PackageMismatchError
+
+_DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+
+
+class TensorSpec(NamedTuple):
+    """One input or output of the package."""
+    name: str
+    dtype: str
+    shape: tuple
+    slot: int
+
+
+def pick_arch(capability: tuple, archs) -> str:
+    """The package arch whose cubins run on a GPU of `capability` (major, minor): the exact arch,
+    its arch-specific variant (sm_90a), or else the newest sm_XY of the same major with Y <= minor
+    (cubins run on later minors of the same major)."""
+    major, minor = capability
+    exact = f"sm_{major}{minor}"
+    for candidate in (exact, exact + "a"):
+        if candidate in archs:
+            return candidate
+    same_major = []
+    for arch in archs:
+        m = re.fullmatch(r"sm_(\d+)(\d)", arch)
+        if m and int(m.group(1)) == major and int(m.group(2)) <= minor:
+            same_major.append((int(m.group(2)), arch))
+    if same_major:
+        return max(same_major)[1]
+    raise PackageMismatchError(
+        f"this package has kernels for {', '.join(archs) or 'no arch'}, but the GPU is {exact}; "
+        f"compile the model again for {exact}")
+
+
+def _slot_shapes(manifest, specs) -> list:
+    """The shape of every table slot (slot order), checking that inputs and outputs cover the
+    table exactly and that each slot fits in the table region."""
+    slots = manifest["table"]["slots"]
+    shapes = [None] * len(slots)
+    for spec in specs:
+        if not 0 <= spec.slot < len(slots) or shapes[spec.slot] is not None:
+            raise InvalidPackageError(f"{spec.name!r} uses table slot {spec.slot}, which is out of range or taken")
+        slot = slots[spec.slot]
+        if slot["rank"] != len(spec.shape):
+            raise InvalidPackageError(f"{spec.name!r} has rank {len(spec.shape)} but table slot {spec.slot} "
+                                      f"has rank {slot['rank']}")
+        if slot["offset"] + 8 * (1 + 2 * slot["rank"]) > manifest["regions"]["table"]:
+            raise InvalidPackageError(f"table slot {spec.slot} ({spec.name!r}) ends past the table region")
+        shapes[spec.slot] = spec.shape
+    if None in shapes:
+        raise InvalidPackageError(f"table slot {shapes.index(None)} belongs to no input or output")
+    return shapes
+
+
+def load(path, device: int = 0) -> "LoadedPackage":
+    """Read, validate and load a `.grace` package onto CUDA device `device`."""
+    from grace.formats import read_package  # the reader pulls in safetensors: import on first use
+
+    return LoadedPackage(read_package(path), device)
+
+
+class LoadedPackage:
+    """A package on one GPU: kernels loaded, weights uploaded. Make Sessions to run it.
+
+    `inputs` / `outputs`: lists of TensorSpec (name, dtype, shape, slot) in manifest order.
+    """
+
+    def __init__(self, package, device: int = 0):
+        self.device = None
+        self._modules, self.functions, self.weights_ptr = [], [], None
+        self._sessions = weakref.WeakSet()
+        manifest = package.manifest
+        self.manifest = manifest
+        self.inputs = [TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["slot"]) for t in manifest["inputs"]]
+        self.outputs = [TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["slot"]) for t in manifest["outputs"]]
+        # A bad package fails here, before the GPU is touched.
+        self.slot_shapes = _slot_shapes(manifest, self.inputs + self.outputs)
+        self.plans = graph.plan_graph(manifest)
+        self.device = driver.Device(device)
+        try:
+            self.arch = pick_arch(self.device.capability, manifest["archs"])
+            self._load_kernels(package)
+            self._upload_weights(package)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- loading
+    def _load_kernels(self, package) -> None:
+        cu = driver.cuda()
+        for kernel in self.manifest["kernels"]:
+            section = kernel["binaries"].get(self.arch)
+            if section is None:
+                raise PackageMismatchError(f"kernel {kernel['name']} has no binary for {self.arch}")
+            module = call(cu.cuModuleLoadData, bytes(package.section(section)))
+            self._modules.append(module)
+            try:
+                function = call(cu.cuModuleGetFunction, module, kernel["name"].encode())
+            except GraceRuntimeError as e:
+                raise InvalidPackageError(f"kernel {kernel['name']}: entry point not found in {section} ({e})") from None
+            if kernel["shared"] > _DEFAULT_SHARED_LIMIT:
+                call(cu.cuFuncSetAttribute, function,
+                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel["shared"])
+            self.functions.append(function)
+
+    def _upload_weights(self, package) -> None:
+        weights = self.manifest["weights"]
+        size = self.manifest["regions"]["weights"]
+        self.weights_ptr = driver.mem_alloc(size)
+        if not weights:
+            return
+        from grace.formats import decode_weights
+
+        tensors = decode_weights(package.section("weights"))
+        for w in weights:
+            name = w["name"]
+            if name not in tensors:
+                raise InvalidPackageError(f"weight {name!r} is in the manifest but not in the weights section")
+            dtype, shape, data = tensors[name]
+            if dtype != w["dtype"] or tuple(shape) != tuple(w["shape"]) or len(data) != w["nbytes"]:
+                raise InvalidPackageError(f"weight {name!r}: the weights section has {dtype}{list(shape)}, "
+                                          f"the manifest {w['dtype']}{list(w['shape'])} ({w['nbytes']} bytes)")
+            if w["offset"] < 0 or w["offset"] + w["nbytes"] > size:
+                raise InvalidPackageError(f"weight {name!r} at [{w['offset']}, {w['offset'] + w['nbytes']}) "
+                                          f"lies outside the weights region ({size} bytes)")
+            host = np.frombuffer(data, dtype=np.uint8)  # a view of the package bytes: no copy
+            driver.copy_htod(self.weights_ptr + w["offset"], host.ctypes.data, host.nbytes)
+
+    # --- use
+    def session(self, poison: bool = False, stream=None):
+        """A Session: its own arena, table, output buffers, stream and instantiated graph.
+        poison=True fills the arena with 0xFF bytes (NaN in every float format) to expose reads of
+        memory no kernel wrote. `stream`: run on this stream (a CUstream, an int handle, or a
+        torch.cuda.Stream) instead of one the session creates."""
+        from .session import Session
+
+        if self.device is None or self.device.ctx is None:
+            raise GraceRuntimeError("this package was closed")
+        s = Session(self, poison=poison, stream=stream)
+        self._sessions.add(s)
+        return s
+
+    def close(self) -> None:
+        """Close every session, unload the kernels, free the weights, release the context."""
+        for s in list(self._sessions):
+            s.close()
+        device = self.device
+        if device is None or device.ctx is None:
+            return
+        device.make_current()
+        cu = driver.cuda()
+        if self.weights_ptr is not None:
+            driver.mem_free(self.weights_ptr)
+            self.weights_ptr = None
+        for module in self._modules:
+            call(cu.cuModuleUnload, module)
+        self._modules, self.functions = [], []
+        device.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass  # interpreter shutdown: the driver may already be gone
+
+    def __repr__(self) -> str:
+        name = self.manifest.get("model", {}).get("name", "?")
+        arch = getattr(self, "arch", "?")
+        return (f"LoadedPackage({name!r}, {len(self.manifest['kernels'])} kernels, "
+                f"{len(self.plans)} nodes, {arch} on {self.device})")

@@ -1,0 +1,117 @@
+"""Pure checks and arithmetic of a call: is this array acceptable for that slot, and what are the
+argument table words. No driver, no device: everything here is testable on any machine.
+
+An array arrives as an ArrayRecord (see arrays.as_record): pointer, shape, strides in elements
+(None = C-contiguous), dtype name and device ("cpu" for numpy arrays that will be copied in).
+"""
+
+from __future__ import annotations
+
+from .errors import InputError
+
+ALIGNMENT = 16  # bytes; kernels may assume 16-byte aligned data (vectorised loads)
+
+
+class ArrayRecord:
+    """What the runtime needs to know about one user array."""
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "readonly", "host", "keep", "stream",
+                 "owner")
+
+    def __init__(self, ptr, shape, strides, dtype, device, *, readonly=False, host=None, keep=None,
+                 stream=None, owner=None):
+        self.ptr = ptr            # int address (device, or host for numpy)
+        self.shape = shape        # tuple of ints
+        self.strides = strides    # tuple of ints in elements, or None for C-contiguous
+        self.dtype = dtype        # manifest dtype name
+        self.device = device      # CUDA ordinal, "cpu" (numpy: host copy), or None (not known yet)
+        self.readonly = readonly
+        self.host = host          # the numpy array, for host inputs
+        self.keep = keep          # anything that must stay alive while the GPU may read (a capsule)
+        self.stream = stream      # __cuda_array_interface__ v3 stream to wait on, if any
+        self.owner = owner        # the Session, for DeviceArrays made by one
+
+
+def contiguous_strides(shape) -> tuple:
+    """C-contiguous strides in elements: (2, 3, 4) -> (12, 4, 1)."""
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def is_contiguous(shape, strides) -> bool:
+    """C-contiguous in elements; dimensions of size 1 may carry any stride (torch does that)."""
+    if strides is None:
+        return True
+    step = 1
+    for d, s in zip(reversed(shape), reversed(strides)):
+        if d != 1 and s != step:
+            return False
+        step *= d
+    return True
+
+
+def _dims(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def check_array(what: str, rec: ArrayRecord, dtype: str, shape, device: int) -> None:
+    """Raise InputError (naming `what`, e.g. "input 'x'") unless `rec` can fill a slot of this
+    dtype and shape on CUDA device `device`. Host (numpy) records only need dtype and shape."""
+    if rec.dtype != dtype:
+        raise InputError(f"{what}: dtype is {rec.dtype}, expected {dtype}")
+    if len(rec.shape) != len(shape):
+        raise InputError(f"{what}: rank is {len(rec.shape)} (shape {_dims(rec.shape)}), expected "
+                         f"rank {len(shape)} (shape {_dims(shape)})")
+    if tuple(rec.shape) != tuple(shape):
+        raise InputError(f"{what}: shape is {_dims(rec.shape)}, expected {_dims(shape)} "
+                         "(this package was compiled for static shapes)")
+    if rec.device == "cpu":
+        return  # copied into a staging buffer: layout and alignment do not matter
+    if rec.device is None:
+        raise InputError(f"{what}: data pointer {rec.ptr:#x} is not CUDA device memory")
+    if rec.device != device:
+        raise InputError(f"{what}: is on cuda:{rec.device}, but the package is loaded on cuda:{device}")
+    if not is_contiguous(rec.shape, rec.strides):
+        raise InputError(f"{what}: strides {list(rec.strides)} are not C-contiguous (expected "
+                         f"{list(contiguous_strides(shape))}); pass a contiguous array, e.g. x.contiguous()")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel and rec.ptr % ALIGNMENT:
+        raise InputError(f"{what}: data pointer {rec.ptr:#x} is not {ALIGNMENT}-byte aligned (a view "
+                         "with an offset?); pass a fresh contiguous copy, e.g. x.clone()")
+
+
+def check_writable(what: str, rec: ArrayRecord) -> None:
+    if rec.device == "cpu":
+        raise InputError(f"{what}: out= needs a device array; numpy arrays cannot be written by the "
+                         "GPU (call .numpy() on the returned output instead)")
+    if rec.readonly:
+        raise InputError(f"{what}: the array is read-only")
+
+
+# ------------------------------------------------------------------------------- argument table
+
+def slot_words(ptr: int, shape) -> list:
+    """The table words of one slot: data pointer, sizes, strides (elements, C-contiguous)."""
+    return [ptr, *shape, *contiguous_strides(shape)]
+
+
+def table_words(shapes, ptrs) -> list:
+    """All table words, slot after slot (`shapes[i]`, `ptrs[i]` belong to slot i)."""
+    words = []
+    for shape, ptr in zip(shapes, ptrs, strict=True):
+        words.extend(slot_words(ptr, shape))
+    return words
+
+
+def pointer_word_indices(ranks) -> list:
+    """Index of each slot's data-pointer word in the table words (slot i has 1 + 2*rank_i words)."""
+    indices, pos = [], 0
+    for rank in ranks:
+        indices.append(pos)
+        pos += 1 + 2 * rank
+    return indices

@@ -1,0 +1,241 @@
+"""The runtime on a real GPU, with a package built by hand (no grace.aot).
+
+    out = x * 2 + w        x: [4, 32] float32 input, w: [4, 32] weight, out: [4, 32] output
+
+Two Triton kernels compiled here for this GPU's arch: the table writer (node 0) and k_scale_add
+(node 1), which reaches x and out only through their argument-table slots. Run with `pytest -m gpu`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+
+import numpy as np
+import pytest
+
+from grace.runtime import InputError, NoDeviceError, StaleOutputError, driver, load
+
+pytestmark = pytest.mark.gpu
+
+ROWS, COLS = 4, 32
+SLOT_OFFSETS, RANKS = [0, 48], [2, 2]       # x, out; 5 words each; slots 16-byte aligned
+TABLE_NBYTES = 96
+WORD_OFFSETS = [off // 8 + j for off, r in zip(SLOT_OFFSETS, RANKS) for j in range(1 + 2 * r)]
+N_WORDS = len(WORD_OFFSETS)                 # 10
+NBYTES = ROWS * COLS * 4
+
+KERNEL_SOURCE = f'''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def k_scale_add(x_slot, w, out_slot):
+    # x, out: [{ROWS}, {COLS}] float32, reached through their table slots; w: [{ROWS}, {COLS}] weight
+    x_ptr = tl.load(x_slot).to(tl.pointer_type(tl.float32))
+    out_ptr = tl.load(out_slot).to(tl.pointer_type(tl.float32))
+    offs = tl.arange(0, {ROWS * COLS})
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs) * 2.0 + tl.load(w + offs))
+
+
+@triton.jit
+def table_writer({", ".join(["table"] + [f"w{k}" for k in range(N_WORDS)])}):
+''' + "\n".join(f"    tl.store(table + {off}, w{k})" for k, off in enumerate(WORD_OFFSETS)) + "\n"
+
+WEIGHT = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def capability():
+    try:
+        device = driver.Device(0)
+    except NoDeviceError as e:
+        pytest.skip(f"no CUDA GPU: {e}")
+    device.release()
+    return device.capability
+
+
+def _compile(tmp_dir, capability):
+    """{kernel name: (signature, compiled)} for this GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    path = tmp_dir / "handmade_kernels.py"
+    path.write_text(KERNEL_SOURCE)
+    spec = importlib.util.spec_from_file_location("handmade_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["handmade_kernels"] = module  # triton reads the source through the module
+    spec.loader.exec_module(module)
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+    signatures = {
+        "table_writer": ({"table": "*i64", **{f"w{k}": "i64" for k in range(N_WORDS)}}, 1),
+        "k_scale_add": ({"x_slot": "*i64", "w": "*fp32", "out_slot": "*i64"}, 4),
+    }
+    return {name: (sig, triton.compile(ASTSource(getattr(module, name), sig, {}, {}), target=target,
+                                       options={"num_warps": warps}))
+            for name, (sig, warps) in signatures.items()}
+
+
+def _kernel_entry(name, family, signature, compiled, arch):
+    md = compiled.metadata
+    assert md.name == name
+    return {"name": name, "family": family,
+            "params": [{"name": k, "type": v} for k, v in signature.items()],
+            "num_warps": md.num_warps, "num_stages": md.num_stages, "shared": md.shared,
+            "hidden_params": 2, "global_scratch_size": md.global_scratch_size or 0,
+            "profile_scratch_size": md.profile_scratch_size or 0,
+            "source_sha256": hashlib.sha256(KERNEL_SOURCE.encode()).hexdigest(),
+            "binaries": {arch: f"cubin/{name}.{arch}"}, "source": "src/handmade_kernels.py"}
+
+
+@pytest.fixture(scope="module")
+def package_path(tmp_path_factory, capability):
+    from grace.formats import encode_weights, write_package
+
+    tmp = tmp_path_factory.mktemp("handmade")
+    arch = f"sm_{capability[0]}{capability[1]}"
+    kernels = _compile(tmp, capability)
+    sections = {f"cubin/{name}.{arch}": bytes(c.asm["cubin"]) for name, (_, c) in kernels.items()}
+    sections["src/handmade_kernels.py"] = KERNEL_SOURCE.encode()
+    sections["weights"] = encode_weights({"w": ("float32", WEIGHT.shape, WEIGHT.tobytes())})
+    table_arg = lambda off, nbytes=8: {"region": "table", "offset": off, "nbytes": nbytes, "dtype": "int64"}  # noqa: E731
+    manifest = {
+        "format_version": [1, 0],
+        "producer": {"grace": "0.1.0", "handmade": True},
+        "model": {"name": "scale_add"},
+        "archs": [arch],
+        "options": {},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [ROWS, COLS], "slot": 0}],
+        "outputs": [{"name": "out", "dtype": "float32", "shape": [ROWS, COLS], "slot": 1}],
+        "table": {"nbytes": TABLE_NBYTES, "slots": [
+            {"name": "x", "role": "input", "offset": SLOT_OFFSETS[0], "rank": 2},
+            {"name": "out", "role": "output", "offset": SLOT_OFFSETS[1], "rank": 2}]},
+        "regions": {"weights": NBYTES, "arena": 256, "table": TABLE_NBYTES},
+        "weights": [{"name": "w", "dtype": "float32", "shape": [ROWS, COLS], "offset": 0, "nbytes": NBYTES}],
+        "arena_buffers": [],
+        "kernels": [_kernel_entry("table_writer", "table_writer", *kernels["table_writer"], arch),
+                    _kernel_entry("k_scale_add", "pointwise", *kernels["k_scale_add"], arch)],
+        "graphs": [{"name": "main", "nodes": [
+            {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
+             "args": [table_arg(0, TABLE_NBYTES)] + [{"word": k} for k in range(N_WORDS)]},
+            {"kernel": 1, "grid": [1, 1, 1], "deps": [0], "label": "scale_add",
+             "args": [table_arg(SLOT_OFFSETS[0]),
+                      {"region": "weights", "offset": 0, "nbytes": NBYTES, "dtype": "float32"},
+                      table_arg(SLOT_OFFSETS[1])]},
+        ], "stats": {"kernels": 2}}],
+    }
+    path = tmp / "scale_add.grace"
+    write_package(path, manifest, sections)
+    return path
+
+
+@pytest.fixture
+def session(package_path):
+    pkg = load(package_path)
+    sess = pkg.session(poison=True)
+    yield sess
+    pkg.close()
+
+
+@pytest.fixture(scope="module")
+def torch():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    return torch
+
+
+def expected(x: np.ndarray) -> np.ndarray:
+    return x * np.float32(2) + WEIGHT
+
+
+def test_torch_input_and_dlpack_output(session, torch):
+    x = torch.randn(ROWS, COLS, device="cuda")
+    out = session.run(x=x)["out"]
+    assert out.shape == (ROWS, COLS) and out.dtype == "float32"
+    y = torch.from_dlpack(out)  # zero-copy, ordered after the run on torch's stream
+    torch.testing.assert_close(y, x * 2 + torch.from_numpy(WEIGHT).cuda())
+    np.testing.assert_allclose(out.numpy(), expected(x.cpu().numpy()), rtol=1e-6)
+
+
+def test_numpy_input(session):
+    x = np.random.default_rng(1).standard_normal((ROWS, COLS)).astype(np.float32)
+    np.testing.assert_allclose(session.run(x)["out"].numpy(), expected(x), rtol=1e-6)
+
+
+def test_every_run_rewrites_the_table(session, torch):
+    for seed in range(3):
+        x = torch.randn(ROWS, COLS, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        got = session.run(x)["out"].numpy()
+        np.testing.assert_allclose(got, expected(x.cpu().numpy()), rtol=1e-6)
+
+
+def test_outputs_go_stale(session):
+    a = np.ones((ROWS, COLS), np.float32)
+    first = session.run(x=a)["out"]
+    second = session.run(x=a * 3)["out"]
+    with pytest.raises(StaleOutputError, match=r"output 'out' was overwritten by a later run\(\)"):
+        first.numpy()
+    np.testing.assert_allclose(second.numpy(), expected(a * 3), rtol=1e-6)
+
+
+def test_out_argument(session, torch):
+    x = torch.randn(ROWS, COLS, device="cuda")
+    target = torch.full((ROWS, COLS), float("nan"), device="cuda")
+    result = session.run(x=x, out={"out": target})
+    assert result["out"] is target
+    session.sync()
+    want = x * 2 + torch.from_numpy(WEIGHT).cuda()
+    torch.testing.assert_close(target, want)
+    # The next run without out= writes the session's buffer again, not `target`.
+    plain = session.run(x=x * 0)["out"]
+    np.testing.assert_allclose(plain.numpy(), expected(np.zeros((ROWS, COLS), np.float32)), rtol=1e-6)
+    torch.testing.assert_close(target, want)
+
+
+def test_cuda_array_interface_and_dlpack_only_inputs(session, torch):
+    x = torch.randn(ROWS, COLS, device="cuda")
+
+    class CaiOnly:
+        __cuda_array_interface__ = x.__cuda_array_interface__
+
+    class DlpackOnly:
+        def __dlpack__(self, stream=None):
+            return x.__dlpack__(stream=stream)
+
+        def __dlpack_device__(self):
+            return x.__dlpack_device__()
+
+    for wrapped in (CaiOnly(), DlpackOnly()):
+        got = session.run(x=wrapped)["out"].numpy()
+        np.testing.assert_allclose(got, expected(x.cpu().numpy()), rtol=1e-6)
+
+
+def test_bad_input_is_rejected_before_launch(session, torch):
+    good = session.run(x=np.ones((ROWS, COLS), np.float32))["out"]
+    bad = [
+        (torch.randn(ROWS, COLS, device="cuda", dtype=torch.float16), "dtype is float16"),
+        (torch.randn(COLS, ROWS, device="cuda").t(), "not C-contiguous"),
+        (torch.randn(ROWS, COLS + 1, device="cuda")[:, 1:], "not C-contiguous|not 16-byte aligned"),
+        (torch.randn(ROWS, COLS), "CPU tensor"),
+    ]
+    for x, message in bad:
+        with pytest.raises(InputError, match=message):
+            session.run(x=x)
+    # Nothing ran: the earlier output is not stale and still holds its values.
+    np.testing.assert_allclose(good.numpy(), expected(np.ones((ROWS, COLS), np.float32)), rtol=1e-6)
+
+
+def test_two_sessions_are_independent(package_path):
+    pkg = load(package_path)
+    try:
+        s1, s2 = pkg.session(), pkg.session()
+        a, b = np.ones((ROWS, COLS), np.float32), np.full((ROWS, COLS), -2, np.float32)
+        o1, o2 = s1.run(a)["out"], s2.run(b)["out"]
+        np.testing.assert_allclose(o1.numpy(), expected(a), rtol=1e-6)
+        np.testing.assert_allclose(o2.numpy(), expected(b), rtol=1e-6)
+    finally:
+        pkg.close()

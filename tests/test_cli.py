@@ -1,0 +1,208 @@
+"""The `grace` command line, run as a subprocess (python -m grace.tools.cli)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+try:
+    from helpers_handmade import build_handmade_package, make_weights, reference
+except ImportError:  # tests/ imported as a package
+    from tests.helpers_handmade import build_handmade_package, make_weights, reference
+
+SUBCOMMANDS = ["compile", "inspect", "run", "bench", "verify"]
+
+
+def grace(*args, cwd=None, timeout=300):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["COLUMNS"] = "200"  # rich wraps tables to the terminal width
+    return subprocess.run(
+        [sys.executable, "-m", "grace.tools.cli", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout,
+    )
+
+
+def _one_line_error(r, code=1):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    err = r.stderr.strip()
+    assert err and "\n" not in err, r.stderr
+    assert "Traceback" not in r.stderr
+    return err
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    pytest.importorskip("triton")
+    return build_handmade_package(tmp_path_factory.mktemp("cli") / "handmade.grace")
+
+
+# ---- help ---------------------------------------------------------------------------------------
+
+
+def test_help():
+    r = grace("--help")
+    assert r.returncode == 0, r.stderr
+    for sub in SUBCOMMANDS:
+        assert sub in r.stdout
+    assert "examples:" in r.stdout
+
+
+@pytest.mark.parametrize("sub", SUBCOMMANDS)
+def test_subcommand_help(sub):
+    r = grace(sub, "--help")
+    assert r.returncode == 0, r.stderr
+    assert f"grace {sub}" in r.stdout
+    assert "examples:" in r.stdout
+
+
+def test_no_command_prints_help():
+    r = grace()
+    assert r.returncode != 0
+    assert "usage: grace" in r.stdout
+
+
+# ---- inspect / verify -----------------------------------------------------------------------------
+
+
+def test_inspect_human(pkg):
+    r = grace("inspect", pkg)
+    assert r.returncode == 0, r.stderr
+    for word in ("handmade", "sm_90", "table_writer", "k_scale", "k_add", "arena", "weights", "main"):
+        assert word in r.stdout, word
+
+
+def test_inspect_json(pkg):
+    r = grace("inspect", pkg, "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for key in ("path", "file_nbytes", "format_version", "model", "producer", "archs", "inputs", "outputs",
+                "table", "memory", "kernels", "graphs", "sections"):
+        assert key in d, key
+    assert d["model"]["name"] == "handmade"
+    assert d["format_version"][0] == 1
+    assert d["file_nbytes"] == os.path.getsize(pkg)
+    assert set(d["producer"]) >= {"grace", "torch", "triton"}
+    assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": [4, 8], "slot": 0}]
+    assert d["outputs"][0]["name"] == "out"
+    assert d["table"]["words"] == 10
+    assert [s["first_word"] for s in d["table"]["slots"]] == [0, 5]
+    assert d["memory"]["regions"] == {"weights": 288, "arena": 256, "table": 96}
+    assert d["memory"]["weights"]["count"] == 2
+    assert d["memory"]["arena_buffers"]["largest"][0]["name"] == "t"
+    names = [k["name"] for k in d["kernels"]]
+    assert names == ["table_writer", "k_scale", "k_add"]
+    k_add = d["kernels"][2]
+    assert k_add["grids"] == [[4, 1, 1]] and k_add["nodes"] == 1 and k_add["archs"] == ["sm_90"]
+    for key in ("family", "num_warps", "num_stages", "shared", "source_sha256"):
+        assert key in k_add
+    g = d["graphs"][0]
+    assert g["name"] == "main" and g["nodes"] == 3
+    assert g["families"] == {"pointwise": 2, "table_writer": 1}
+    assert g["stats"]["kernels"] == 3
+    assert {s["name"] for s in d["sections"]} >= {"weights", "src/k_add.py", "cubin/k_add.sm_90"}
+
+
+def test_verify_ok(pkg):
+    r = grace("verify", pkg)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("OK")
+
+
+def test_verify_corrupted(pkg, tmp_path):
+    from grace.formats import read_package
+
+    info = {name: (off, n) for name, off, n, _ in read_package(pkg).section_info}
+    off, n = info["weights"]
+    data = bytearray(pkg.read_bytes())
+    data[off + n // 2] ^= 0xFF
+    bad = tmp_path / "bad.grace"
+    bad.write_bytes(bytes(data))
+    err = _one_line_error(grace("verify", bad))
+    assert "weights" in err
+    # inspect reads with verification too
+    _one_line_error(grace("inspect", bad))
+
+
+def test_verify_not_a_package(tmp_path):
+    junk = tmp_path / "junk.grace"
+    junk.write_bytes(b"hello, this is not a package" * 10)
+    _one_line_error(grace("verify", junk))
+
+
+def test_verify_missing_file(tmp_path):
+    err = _one_line_error(grace("verify", tmp_path / "nope.grace"))
+    assert "no such file" in err
+
+
+# ---- run ------------------------------------------------------------------------------------------
+
+
+def test_run_interpret(pkg, tmp_path):
+    x = np.random.default_rng(3).standard_normal((4, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    out = tmp_path / "out.npz"
+    r = grace("run", pkg, "--input", f"x={tmp_path / 'x.npy'}", "--interpret", "--output", out)
+    assert r.returncode == 0, r.stderr
+    assert "out" in r.stdout and "float32" in r.stdout and "[4, 8]" in r.stdout
+    with np.load(out) as z:
+        assert list(z.keys()) == ["out"]
+        np.testing.assert_allclose(z["out"], reference(x, make_weights()), rtol=1e-6, atol=1e-6)
+
+
+def test_run_missing_input_lists_inputs(pkg):
+    err = _one_line_error(grace("run", pkg, "--interpret"))
+    assert "x (float32[4, 8])" in err
+
+
+def test_run_unknown_input(pkg, tmp_path):
+    np.save(tmp_path / "y.npy", np.zeros((4, 8), np.float32))
+    err = _one_line_error(grace("run", pkg, "--input", f"y={tmp_path / 'y.npy'}", "--interpret"))
+    assert "'y'" in err and "x (float32[4, 8])" in err
+
+
+def test_run_wrong_dtype(pkg, tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((4, 8), np.float64))
+    err = _one_line_error(grace("run", pkg, "--input", f"x={tmp_path / 'x.npy'}", "--interpret"))
+    assert "'x'" in err and "float64" in err
+
+
+def test_run_without_gpu_exits_2(pkg, tmp_path):
+    try:
+        from cuda.bindings import driver
+
+        ok = driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS
+    except Exception:
+        ok = False
+    if ok:
+        pytest.skip("a CUDA driver is present: this test is for GPU-less machines")
+    np.save(tmp_path / "x.npy", np.zeros((4, 8), np.float32))
+    err = _one_line_error(grace("run", pkg, "--input", f"x={tmp_path / 'x.npy'}"), code=2)
+    assert "--interpret" in err
+
+
+# ---- compile --------------------------------------------------------------------------------------
+
+
+def test_compile_missing_file(tmp_path):
+    err = _one_line_error(grace("compile", tmp_path / "nope.pt2", "-o", tmp_path / "m.grace"))
+    assert "no such file" in err
+
+
+def test_compile_not_an_export(tmp_path):
+    pytest.importorskip("torch")
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"not a zip file")
+    err = _one_line_error(grace("compile", junk, "-o", tmp_path / "m.grace"))
+    assert "torch.export" in err
+    assert not (tmp_path / "m.grace").exists()
+
+
+def test_compile_bad_arch(tmp_path):
+    f = tmp_path / "m.pt2"
+    f.write_bytes(b"")
+    err = _one_line_error(grace("compile", f, "-o", tmp_path / "m.grace", "--arch", "hopper"))
+    assert "--arch" in err

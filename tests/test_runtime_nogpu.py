@@ -1,0 +1,565 @@
+"""grace.runtime on a machine without a GPU.
+
+Three layers:
+  * import hygiene and the no-device error (what CI sees for real);
+  * the pure parts: dtype tables, input validation, table words, arch choice, graph planning, DLPack;
+  * the whole load -> session -> run path against FakeDriver, a stand-in for cuda.bindings.driver
+    whose "device memory" is host memory and whose graph calls are recorded. It checks what the
+    runtime *asks* the driver (kernel parameters, copies, launches); whether the driver does the right
+    thing with it is tests/gpu/test_runtime_handmade.py's job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import grace.runtime as rt
+from grace.runtime import dlpack, driver, dtypes, graph, validate
+from grace.runtime.arrays import DeviceArray, as_record
+from grace.runtime.errors import (InputError, InvalidPackageError, NoDeviceError, PackageMismatchError,
+                                  StaleOutputError)
+from grace.runtime.package import pick_arch
+from grace.runtime.validate import ArrayRecord
+
+# ---------------------------------------------------------------------------- a tiny package
+
+ROWS, COLS = 4, 32
+SLOT_OFFSETS = [0, 48]                       # x, out: rank 2 -> 5 words each, slots 16-aligned
+N_WORDS = 10
+W_BYTES = ROWS * COLS * 4
+
+
+def manifest(**over) -> dict:
+    """out = x * 2 + w through the table; kernel 0 is the table writer. Binaries are fake bytes."""
+    writer_params = [{"name": "table", "type": "*i64"}] + [{"name": f"w{k}", "type": "i64"} for k in range(N_WORDS)]
+    m = {
+        "format_version": [1, 0],
+        "producer": {"grace": "0.1.0"},
+        "model": {"name": "scale_add"},
+        "archs": ["sm_90"],
+        "options": {},
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [ROWS, COLS], "slot": 0}],
+        "outputs": [{"name": "out", "dtype": "float32", "shape": [ROWS, COLS], "slot": 1}],
+        "table": {"nbytes": 96, "slots": [{"name": "x", "role": "input", "offset": 0, "rank": 2},
+                                          {"name": "out", "role": "output", "offset": 48, "rank": 2}]},
+        "regions": {"weights": W_BYTES, "arena": 256, "table": 96},
+        "weights": [{"name": "w", "dtype": "float32", "shape": [ROWS, COLS], "offset": 0, "nbytes": W_BYTES}],
+        "arena_buffers": [],
+        "kernels": [
+            {"name": "table_writer", "family": "table_writer", "params": writer_params, "num_warps": 1,
+             "num_stages": 1, "shared": 0, "hidden_params": 2, "global_scratch_size": 0,
+             "profile_scratch_size": 0, "binaries": {"sm_90": "cubin/table_writer.sm_90"}},
+            {"name": "k_scale_add", "family": "pointwise",
+             "params": [{"name": "x_slot", "type": "*i64"}, {"name": "w", "type": "*fp32"},
+                        {"name": "out_slot", "type": "*i64"}],
+             "num_warps": 4, "num_stages": 1, "shared": 0, "hidden_params": 2, "global_scratch_size": 0,
+             "profile_scratch_size": 0, "binaries": {"sm_90": "cubin/k_scale_add.sm_90"}},
+        ],
+        "graphs": [{"name": "main", "nodes": [
+            {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
+             "args": [{"region": "table", "offset": 0, "nbytes": 96}] + [{"word": k} for k in range(N_WORDS)]},
+            {"kernel": 1, "grid": [1, 1, 1], "deps": [0], "label": "scale_add",
+             "args": [{"region": "table", "offset": 0, "nbytes": 8},
+                      {"region": "weights", "offset": 0, "nbytes": W_BYTES},
+                      {"region": "table", "offset": 48, "nbytes": 8}]},
+        ]}],
+    }
+    m.update(over)
+    return m
+
+
+WEIGHT = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) / 7
+
+
+def write(path, m=None):
+    from grace.formats import encode_weights, write_package
+
+    sections = {"cubin/table_writer.sm_90": b"\x7fELF fake writer",
+                "cubin/k_scale_add.sm_90": b"\x7fELF fake kernel",
+                "weights": encode_weights({"w": ("float32", WEIGHT.shape, WEIGHT.tobytes())})}
+    write_package(path, m or manifest(), sections)
+    return path
+
+
+# ---------------------------------------------------------------------------- import, no device
+
+def test_import_does_not_pull_torch_triton_or_the_driver():
+    code = ("import sys, grace.runtime\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')"
+            " or m.startswith('cuda.bindings.driver'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _has_gpu() -> bool:
+    try:
+        driver.Device(0).release()
+        return True
+    except NoDeviceError:
+        return False
+
+
+def test_load_without_gpu_raises_no_device_error(tmp_path):
+    if _has_gpu():
+        pytest.skip("this machine has a CUDA GPU")
+    path = write(tmp_path / "m.grace")
+    with pytest.raises(NoDeviceError, match="--interpret"):
+        rt.load(path)
+
+
+def test_no_device_error_mentions_interpret():
+    assert "grace run --interpret" in str(NoDeviceError("no CUDA driver could be loaded"))
+
+
+# ---------------------------------------------------------------------------- dtypes
+
+def test_dtype_tables_agree_with_formats():
+    from grace.formats.dtypes import DTYPES as FORMAT_DTYPES
+
+    assert set(dtypes.DTYPES) == set(FORMAT_DTYPES)
+    for name, (size, _, _) in dtypes.DTYPES.items():
+        assert size == FORMAT_DTYPES[name][0]
+
+
+@pytest.mark.parametrize("name", [n for n in dtypes.DTYPES if n != "bfloat16"])
+def test_typestr_matches_numpy(name):
+    assert dtypes.from_typestr(np.dtype(name).str) == name
+    assert np.dtype(dtypes.typestr(name)) == np.dtype(name)
+
+
+def test_typestr_and_dlpack_codes():
+    assert dtypes.typestr("bfloat16") == "<V2" and dtypes.from_typestr("<V2") == "bfloat16"
+    assert dtypes.from_typestr(">f4") is None      # big-endian is refused
+    assert dtypes.from_typestr(">u1") == "uint8"   # ...except where byte order is moot
+    assert dtypes.from_typestr("<c8") is None
+    assert dtypes.dlpack_code("bfloat16") == (4, 16)
+    assert dtypes.dlpack_code("bool") == (6, 8)
+    assert dtypes.from_dlpack(2, 32) == "float32"
+    assert dtypes.from_dlpack(2, 32, lanes=4) is None
+    assert dtypes.from_torch("torch.bfloat16") == "bfloat16"
+
+
+# ---------------------------------------------------------------------------- validation
+
+def rec(ptr=0x10000, shape=(ROWS, COLS), strides=None, dtype="float32", device=0):
+    return ArrayRecord(ptr, shape, strides, dtype, device)
+
+
+def check(r):
+    validate.check_array("input 'x'", r, "float32", (ROWS, COLS), 0)
+
+
+def test_valid_record_passes():
+    check(rec())
+    check(rec(strides=(COLS, 1)))
+    check(rec(device="cpu", ptr=3, strides=(1, ROWS)))  # host copies: layout does not matter
+
+
+@pytest.mark.parametrize("bad, message", [
+    (rec(dtype="float16"), r"input 'x': dtype is float16, expected float32"),
+    (rec(shape=(ROWS * COLS,)), r"input 'x': rank is 1 .*expected rank 2"),
+    (rec(shape=(ROWS, COLS + 1)), r"input 'x': shape is \[4, 33\], expected \[4, 32\]"),
+    (rec(strides=(1, ROWS)), r"input 'x': strides .* not C-contiguous.*contiguous\(\)"),
+    (rec(ptr=0x10004), r"input 'x': data pointer 0x10004 is not 16-byte aligned"),
+    (rec(device=1), r"input 'x': is on cuda:1, but the package is loaded on cuda:0"),
+    (rec(device=None), r"input 'x': data pointer .* is not CUDA device memory"),
+])
+def test_invalid_records_name_the_input(bad, message):
+    with pytest.raises(InputError, match=message):
+        check(bad)
+
+
+def test_size_one_dims_may_have_any_stride():
+    assert validate.is_contiguous((1, 4), (999, 1))
+    assert validate.is_contiguous((4, 1), (1, 7))
+    assert not validate.is_contiguous((2, 4), (1, 2))
+
+
+def test_out_arrays_must_be_writable_device_arrays():
+    with pytest.raises(InputError, match="out= needs a device array"):
+        validate.check_writable("output 'out' (out=)", rec(device="cpu"))
+    r = rec()
+    r.readonly = True
+    with pytest.raises(InputError, match="read-only"):
+        validate.check_writable("output 'out' (out=)", r)
+
+
+def test_table_words():
+    assert validate.contiguous_strides((2, 3, 4)) == (12, 4, 1)
+    assert validate.slot_words(0xABC0, (2, 3)) == [0xABC0, 2, 3, 3, 1]
+    assert validate.table_words([(2, 3), (5,), ()], [100, 200, 300]) == [100, 2, 3, 3, 1, 200, 5, 1, 300]
+    assert validate.pointer_word_indices([2, 1, 0]) == [0, 5, 8]
+
+
+# ---------------------------------------------------------------------------- arrays in
+
+class CaiArray:
+    def __init__(self, ptr, shape, typestr="<f4", strides=None, version=3):
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr,
+                                         "strides": strides, "version": version}
+
+
+def test_as_record_from_cai_converts_byte_strides():
+    r = as_record(CaiArray(0x1000, (4, 32), strides=(128, 4)), "input 'x'", 1)
+    assert (r.ptr, r.shape, r.strides, r.dtype, r.device) == (0x1000, (4, 32), (32, 1), "float32", None)
+
+
+def test_as_record_from_numpy_is_a_host_record():
+    a = np.zeros((4, 32), np.float32)
+    r = as_record(a, "input 'x'", 1)
+    assert r.device == "cpu" and r.host is a and r.dtype == "float32"
+
+
+def test_as_record_rejects_unknown_objects_and_cpu_torch():
+    with pytest.raises(InputError, match="input 'x': expected a CUDA array"):
+        as_record([1, 2, 3], "input 'x'", 1)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(InputError, match="CPU tensor"):
+        as_record(torch.zeros(3), "input 'x'", 1)
+
+
+def test_dlpack_export_round_trips_through_numpy_and_torch():
+    host = np.arange(12, dtype=np.float32)
+    cap = dlpack.export_capsule(host.ctypes.data, (3, 4), 4, (2, 32), (dlpack.KDL_CPU, 0), owner=host)
+    t = dlpack.parse_capsule(cap)
+    assert (t.ptr, t.device, t.code_bits_lanes, t.shape) == (host.ctypes.data, (1, 0), (2, 32, 1), (3, 4))
+    torch = pytest.importorskip("torch")
+    bits = (np.array([1.0, -2.5], np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    cap = dlpack.export_capsule(bits.ctypes.data, (2,), 2, (4, 16), (dlpack.KDL_CPU, 0), owner=bits)
+    t = torch.from_dlpack(cap)  # consumes the capsule
+    assert t.dtype == torch.bfloat16 and t.tolist() == [1.0, -2.5]
+
+
+def test_parse_capsule_reads_torch_views():
+    torch = pytest.importorskip("torch")
+    x = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)[:, 1:]
+    t = dlpack.parse_capsule(x.__dlpack__())
+    assert (t.ptr, t.code_bits_lanes, t.shape, t.strides) == (x.data_ptr(), (4, 16, 1), (3, 3), (4, 1))
+
+
+# ---------------------------------------------------------------------------- DeviceArray
+
+class Owner:
+    _generation, _closed, _cai_stream = 0, False, 1
+
+
+def test_device_array_goes_stale_when_its_session_runs_again():
+    owner = Owner()
+    a = DeviceArray(0x2000, (2, 3), "float32", 0, owner, "out0")
+    assert a.shape == (2, 3) and a.dtype == "float32"
+    assert a.__cuda_array_interface__["typestr"] == "<f4"
+    owner._generation += 1
+    for use in (lambda: a.shape, lambda: a.numpy(), lambda: a.__cuda_array_interface__,
+                lambda: a.__dlpack__(), lambda: a.ptr):
+        with pytest.raises(StaleOutputError, match=r"output 'out0' was overwritten by a later run\(\)"):
+            use()
+    assert "stale" in repr(a)
+    owner._closed = True
+    with pytest.raises(StaleOutputError, match="closed"):
+        a.shape
+
+
+def test_device_array_protocols():
+    a = DeviceArray(0x2000, (2, 3), "bfloat16", 1)
+    cai = a.__cuda_array_interface__
+    assert cai["typestr"] == "<V2" and cai["version"] == 3 and cai["data"] == (0x2000, False)
+    assert a.__dlpack_device__() == (2, 1)
+    with pytest.raises(BufferError):
+        a.__dlpack__(copy=True)
+
+
+# ---------------------------------------------------------------------------- arch, graph plan
+
+def test_pick_arch():
+    assert pick_arch((9, 0), ["sm_80", "sm_90"]) == "sm_90"
+    assert pick_arch((9, 0), ["sm_90a"]) == "sm_90a"
+    assert pick_arch((8, 9), ["sm_80", "sm_86"]) == "sm_86"
+    with pytest.raises(PackageMismatchError, match=r"sm_80, sm_100.*the GPU is sm_90"):
+        pick_arch((9, 0), ["sm_80", "sm_100"])
+
+
+def test_plan_graph_and_param_values():
+    plans = graph.plan_graph(manifest())
+    assert [p.block for p in plans] == [32, 128]
+    writer, k = plans
+    assert writer.args[0] == ("region", "table", 0) and writer.args[-2:] == (("zero",), ("zero",))
+    words = list(range(100, 100 + N_WORDS))
+    bases = {"weights": 0x10000, "arena": 0x20000, "table": 0x30000}
+    values, word_pos = graph.param_values(writer, bases, words)
+    assert values == [0x30000, *words, 0, 0]
+    assert word_pos == [(1 + i, i) for i in range(N_WORDS)]
+    values, word_pos = graph.param_values(k, bases, words)
+    assert values == [0x30000, 0x10000, 0x30000 + 48, 0, 0] and word_pos == []
+
+
+def _node_arg(m, node, arg, value):
+    m["graphs"][0]["nodes"][node]["args"][arg] = value
+    return m
+
+
+@pytest.mark.parametrize("m, error, message", [
+    (_node_arg(manifest(), 1, 1, {"region": "weights", "offset": 256, "nbytes": W_BYTES}),
+     InvalidPackageError, "covers .* of region weights"),
+    (_node_arg(manifest(), 0, 3, {"word": N_WORDS}), InvalidPackageError, "table has 10 words"),
+    (_node_arg(manifest(), 1, 1, {"region": "state", "offset": 0}), PackageMismatchError, "region 'state'"),
+])
+def test_plan_graph_rejects(m, error, message):
+    with pytest.raises(error, match=message):
+        graph.plan_graph(m)
+
+
+def test_plan_graph_refuses_scratch_memory():
+    m = manifest()
+    m["kernels"][1]["global_scratch_size"] = 1024
+    with pytest.raises(PackageMismatchError, match="scratch"):
+        graph.plan_graph(m)
+
+
+# ---------------------------------------------------------------------------- FakeDriver
+
+class FakeDriver:
+    """cuda.bindings.driver with host memory for device memory and a recorder for graph calls.
+    Structs, handles and enums are the real ones."""
+
+    def __init__(self):
+        from cuda.bindings import driver as real
+
+        self._real = real
+        self.ok = real.CUresult.CUDA_SUCCESS
+        self.memory = {}          # address -> ctypes buffer
+        self.functions = {}       # CUfunction int -> name
+        self.nodes = []           # (function name, grid, block, shared, kernelParams address)
+        self.set_params = []      # (node index, kernelParams address) per SetParams
+        self.launches = []        # writer parameter values at each launch
+        self.copies_htod = 0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    # device & context
+    def cuInit(self, flags): return (self.ok,)
+    def cuDeviceGetCount(self): return (self.ok, 1)
+    def cuDeviceGet(self, i): return (self.ok, self._real.CUdevice(i))
+    def cuDeviceGetName(self, n, dev): return (self.ok, b"Fake H200\0\0\0")
+    def cuDevicePrimaryCtxRetain(self, dev): return (self.ok, self._real.CUcontext(0xC0))
+    def cuDevicePrimaryCtxRelease(self, dev): return (self.ok,)
+    def cuCtxSetCurrent(self, ctx): return (self.ok,)
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        major = attr == self._real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+        return (self.ok, 9 if major else 0)
+
+    # modules
+    def cuModuleLoadData(self, image):
+        assert bytes(image).startswith(b"\x7fELF")
+        return (self.ok, self._real.CUmodule(0x100 + len(self.functions)))
+
+    def cuModuleGetFunction(self, module, name):
+        f = self._real.CUfunction(0x1000 + len(self.functions))
+        self.functions[int(f)] = name.decode()
+        return (self.ok, f)
+
+    def cuFuncSetAttribute(self, *a): return (self.ok,)
+    def cuModuleUnload(self, m): return (self.ok,)
+
+    # memory
+    def cuMemAlloc(self, n):
+        buf = ctypes.create_string_buffer(n + 256)
+        addr = (ctypes.addressof(buf) + 255) // 256 * 256
+        self.memory[addr] = (buf, n)
+        return (self.ok, self._real.CUdeviceptr(addr))
+
+    def cuMemFree(self, p):
+        del self.memory[int(p)]
+        return (self.ok,)
+
+    def cuMemcpyHtoD(self, dst, src, n):
+        self.copies_htod += 1
+        ctypes.memmove(int(dst), src, n)
+        return (self.ok,)
+
+    def cuMemcpyHtoDAsync(self, dst, src, n, stream): return self.cuMemcpyHtoD(dst, src, n)
+
+    def cuMemcpyDtoH(self, dst, src, n):
+        ctypes.memmove(dst, int(src), n)
+        return (self.ok,)
+
+    def cuMemcpyDtoHAsync(self, dst, src, n, stream): return self.cuMemcpyDtoH(dst, src, n)
+
+    def cuMemsetD8Async(self, p, value, n, stream):
+        ctypes.memset(int(p), value, n)
+        return (self.ok,)
+
+    def cuPointerGetAttribute(self, attr, ptr):
+        for addr, (_, n) in self.memory.items():
+            if addr <= ptr < addr + n:
+                return (self.ok, 0)
+        return (self._real.CUresult.CUDA_ERROR_INVALID_VALUE, None)
+
+    # streams & events
+    def cuStreamCreate(self, flags): return (self.ok, self._real.CUstream(0x5000))
+    def cuStreamDestroy(self, s): return (self.ok,)
+    def cuStreamSynchronize(self, s): return (self.ok,)
+    def cuStreamWaitEvent(self, s, e, flags): return (self.ok,)
+    def cuEventCreate(self, flags): return (self.ok, self._real.CUevent(0x6000))
+    def cuEventRecord(self, e, s): return (self.ok,)
+    def cuEventDestroy(self, e): return (self.ok,)
+
+    # graphs
+    def cuGraphCreate(self, flags): return (self.ok, self._real.CUgraph(0x7000))
+
+    def cuGraphAddKernelNode(self, g, deps, n, p):
+        assert n == len(deps)
+        self.nodes.append((self.functions[int(p.func)], (p.gridDimX, p.gridDimY, p.gridDimZ),
+                           (p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes, p.kernelParams,
+                           [int(d) - 1 for d in deps]))
+        return (self.ok, self._real.CUgraphNode(len(self.nodes)))
+
+    def cuGraphInstantiate(self, g, flags): return (self.ok, self._real.CUgraphExec(0x8000))
+    def cuGraphUpload(self, e, s): return (self.ok,)
+
+    def cuGraphExecKernelNodeSetParams(self, e, node, p):
+        self.set_params.append((int(node) - 1, p.kernelParams))
+        return (self.ok,)
+
+    def cuGraphLaunch(self, e, s):
+        node, address = self.set_params[-1]
+        self.launches.append(read_params(address, 1 + N_WORDS + 2))
+        return (self.ok,)
+
+    def cuGraphExecDestroy(self, e): return (self.ok,)
+    def cuGraphDestroy(self, g): return (self.ok,)
+
+
+def read_params(address: int, n: int) -> list:
+    """Dereference a kernelParams void*[] of n 8-byte parameters."""
+    pointers = (ctypes.c_void_p * n).from_address(address)
+    return [ctypes.c_uint64.from_address(p).value for p in pointers]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    pytest.importorskip("cuda.bindings.driver")
+    f = FakeDriver()
+    monkeypatch.setattr(driver, "_cu", f)
+    return f
+
+
+@pytest.fixture
+def pkg(fake, tmp_path):
+    p = rt.load(write(tmp_path / "m.grace"))
+    yield p
+    p.close()
+
+
+def test_load_uploads_weights_and_plans_the_graph(fake, pkg):
+    assert pkg.arch == "sm_90" and [s.name for s in pkg.inputs] == ["x"]
+    uploaded = np.ctypeslib.as_array((ctypes.c_float * (ROWS * COLS)).from_address(pkg.weights_ptr))
+    np.testing.assert_array_equal(uploaded.reshape(ROWS, COLS), WEIGHT)
+
+
+def test_session_builds_the_graph_from_the_manifest(fake, pkg):
+    sess = pkg.session(poison=True)
+    (w_name, w_grid, w_block, _, w_params, w_deps), (k_name, _, k_block, _, k_params, k_deps) = fake.nodes
+    assert (w_name, w_grid, w_block, w_deps) == ("table_writer", (1, 1, 1), (32, 1, 1), [])
+    assert (k_name, k_block, k_deps) == ("k_scale_add", (128, 1, 1), [0])
+    assert read_params(k_params, 5) == [sess._table, pkg.weights_ptr, sess._table + 48, 0, 0]
+    writer = read_params(w_params, 1 + N_WORDS + 2)
+    assert writer == [sess._table, 0, ROWS, COLS, COLS, 1, sess._out_ptrs[0], ROWS, COLS, COLS, 1, 0, 0]
+    arena = (ctypes.c_uint8 * 256).from_address(sess._arena)
+    assert set(arena) == {0xFF}
+
+
+def test_run_writes_pointers_into_the_table_writer(fake, pkg):
+    sess = pkg.session()
+    x = np.ones((ROWS, COLS), np.float32)
+    out = sess.run(x)["out"]
+    (launch,) = fake.launches
+    staging = sess._staging["x"]
+    assert launch[1] == staging and launch[6] == sess._out_ptrs[0]
+    np.testing.assert_array_equal(
+        np.ctypeslib.as_array((ctypes.c_float * (ROWS * COLS)).from_address(staging)), x.ravel())
+
+    # "Run" the kernel by hand, then read the output back.
+    host = np.full((ROWS, COLS), 3.5, np.float32)
+    ctypes.memmove(out.ptr, host.ctypes.data, host.nbytes)
+    np.testing.assert_array_equal(out.numpy(), host)
+
+    # A device input (here: fake device memory through __cuda_array_interface__) is used in place.
+    dev = driver.mem_alloc(W_BYTES)
+    out2 = sess.run(x=CaiArray(dev, (ROWS, COLS)))["out"]
+    assert fake.launches[-1][1] == dev
+    with pytest.raises(StaleOutputError):
+        out.numpy()
+    assert out2.shape == (ROWS, COLS)
+
+
+def test_run_with_out_and_dlpack_inputs(fake, pkg):
+    sess = pkg.session()
+    a = driver.mem_alloc(W_BYTES)
+    b = driver.mem_alloc(W_BYTES)
+
+    class DlpackOnly:  # a producer that speaks DLPack only (reuses DeviceArray's exporter)
+        def __init__(self, ptr):
+            self.array = DeviceArray(ptr, (ROWS, COLS), "float32", 0)
+
+        def __dlpack__(self, stream=None):
+            return self.array.__dlpack__(stream=stream)
+
+        def __dlpack_device__(self):
+            return self.array.__dlpack_device__()
+
+    target = DlpackOnly(b)
+    result = sess.run(x=DlpackOnly(a), out={"out": target})
+    assert result["out"] is target
+    assert fake.launches[-1][1] == a and fake.launches[-1][6] == b
+    sess.run(x=DlpackOnly(a))  # without out= the table points back at the session's buffer
+    assert fake.launches[-1][6] == sess._out_ptrs[0]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s: s.run(), r"missing input\(s\) \['x'\]"),
+    (lambda s: s.run(y=1), "unknown input 'y'"),
+    (lambda s: s.run(np.zeros((ROWS, COLS), np.float32), x=1), "both positionally and by name"),
+    (lambda s: s.run(np.zeros((ROWS, COLS), np.float64)), "input 'x': dtype is float64"),
+    (lambda s: s.run(np.zeros((ROWS, 2), np.float32)), r"input 'x': shape is \[4, 2\]"),
+    (lambda s: s.run(CaiArray(0x1230, (ROWS, COLS))), "input 'x': data pointer 0x1230 is not CUDA"),
+    (lambda s: s.run(np.zeros((ROWS, COLS), np.float32), out={"out": np.zeros((ROWS, COLS), np.float32)}),
+     r"output 'out' \(out=\): out= needs a device array"),
+    (lambda s: s.run(np.zeros((ROWS, COLS), np.float32), out={"nope": 1}), "unknown output 'nope'"),
+])
+def test_bad_arguments_fail_before_any_launch(fake, pkg, call, message):
+    sess = pkg.session()
+    with pytest.raises(InputError, match=message):
+        call(sess)
+    assert fake.launches == [] and sess._staging == {}
+
+
+def test_an_output_cannot_feed_its_own_session(fake, pkg):
+    sess = pkg.session()
+    out = sess.run(np.zeros((ROWS, COLS), np.float32))["out"]
+    with pytest.raises(InputError, match="is an output of this session"):
+        sess.run(out)
+
+
+def test_close_frees_everything_and_stales_outputs(fake, pkg):
+    before = set(fake.memory)
+    sess = pkg.session()
+    out = sess.run(np.zeros((ROWS, COLS), np.float32))["out"]
+    pkg.close()  # closes its sessions too
+    with pytest.raises(StaleOutputError, match="closed"):
+        out.numpy()
+    assert set(fake.memory) <= before and pkg.weights_ptr is None
+
+
+def test_bfloat16_numpy_is_upcast(fake):
+    ptr = driver.mem_alloc(4)
+    bits = (np.array([1.5, -3.0], np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    ctypes.memmove(ptr, bits.ctypes.data, 4)
+    host = DeviceArray(ptr, (2,), "bfloat16", 0).numpy()
+    assert host.dtype == np.float32 and host.tolist() == [1.5, -3.0]

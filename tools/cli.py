@@ -1,0 +1,501 @@
+"""The `grace` command: compile | inspect | run | bench | verify.
+
+User errors (a bad or corrupt package, wrong inputs, no GPU) print one line to stderr and exit with
+a non-zero code; tracebacks are for bugs (or `grace --traceback ...`).
+
+Exit codes: 0 ok, 1 error, 2 no usable GPU / driver (and argparse usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+
+EXIT_ERROR = 1
+EXIT_NO_DEVICE = 2
+
+INTERPRET_HINT = "use `grace run --interpret` to run the package on the CPU with Triton's interpreter"
+
+
+class CliError(Exception):
+    """A user error with a ready one-line message."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR):
+        super().__init__(message)
+        self.code = code
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def _one_line(msg: object) -> str:
+    return " ".join(str(msg).split())
+
+
+def _read(path: str, verify: bool = True):
+    from grace.formats import read_package
+
+    if not os.path.exists(path):
+        raise CliError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise CliError(f"{path}: is a directory, expected a .grace file")
+    return read_package(path, verify=verify)
+
+
+def _shape_str(dtype: str, shape) -> str:
+    return f"{dtype}[{', '.join(str(d) for d in shape)}]"
+
+
+def _expected_inputs(manifest) -> str:
+    specs = manifest.get("inputs", []) or []
+    return ", ".join(f"{s['name']} ({_shape_str(s['dtype'], s['shape'])})" for s in specs) or "none"
+
+
+def _parse_inputs(pairs: list[str], manifest) -> dict:
+    import numpy as np
+
+    names = [s["name"] for s in manifest.get("inputs", []) or []]
+    expected = _expected_inputs(manifest)
+    inputs = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise CliError(f"--input {pair!r}: expected NAME=FILE.npy; the package's inputs are: {expected}")
+        name, file = pair.split("=", 1)
+        if name not in names:
+            raise CliError(f"--input {name!r}: the package has no input of that name; its inputs are: {expected}")
+        if name in inputs:
+            raise CliError(f"--input {name!r} given twice")
+        if not os.path.isfile(file):
+            raise CliError(f"--input {name}: {file}: no such file")
+        try:
+            inputs[name] = np.load(file, allow_pickle=False)
+        except Exception as e:
+            raise CliError(f"--input {name}: {file} is not a readable .npy file ({_one_line(e)})") from e
+        if not isinstance(inputs[name], np.ndarray):
+            raise CliError(f"--input {name}: {file} holds several arrays (.npz); give a .npy file")
+    missing = [n for n in names if n not in inputs]
+    if missing:
+        raise CliError(
+            f"missing --input for {', '.join(missing)}; the package's inputs are: {expected} "
+            f"(pass each as --input NAME=FILE.npy)"
+        )
+    return inputs
+
+
+def _summarize(outputs: dict, console) -> None:
+    import numpy as np
+    from rich import box
+    from rich.table import Table
+
+    t = Table(box=box.SIMPLE_HEAD, title="outputs", title_justify="left", title_style="bold")
+    for c, j in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("min", "right"), ("max", "right"),
+                 ("mean", "right"), ("nan", "right")):
+        t.add_column(c, justify=j)
+    for name, a in outputs.items():
+        a = np.asarray(a)
+        if a.size and a.dtype.kind in "fiub":
+            af = a.astype(np.float64)
+            nan = int(np.isnan(af).sum())
+            finite = af[np.isfinite(af)]
+            mn, mx, mean = ((f"{finite.min():.6g}", f"{finite.max():.6g}", f"{finite.mean():.6g}")
+                            if finite.size else ("-", "-", "-"))
+        else:
+            mn = mx = mean = "-"
+            nan = 0
+        t.add_row(name, str(a.dtype), str(list(a.shape)), mn, mx, mean, str(nan))
+    console.print(t)
+
+
+def _no_device(e: Exception) -> CliError:
+    msg = _one_line(e)
+    return CliError(msg if "--interpret" in msg else f"{msg}; {INTERPRET_HINT}", EXIT_NO_DEVICE)
+
+
+def _runtime():
+    """Import grace.runtime; a missing driver binding is a no-device error, not a crash."""
+    try:
+        import grace.runtime as rt
+    except ImportError as e:
+        raise CliError(f"the GPU runtime is unavailable ({_one_line(e)}); {INTERPRET_HINT}", EXIT_NO_DEVICE) from e
+    return rt
+
+
+def _user_error_types() -> tuple[type, ...]:
+    types: list[type] = [CliError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError]
+    try:
+        from grace.formats import FormatError
+
+        types.append(FormatError)
+    except Exception:
+        pass
+    rt = sys.modules.get("grace.runtime")
+    for name in ("GraceRuntimeError", "NoDeviceError"):
+        cls = getattr(rt, name, None) if rt is not None else None
+        if isinstance(cls, type):
+            types.append(cls)
+    return tuple(types)
+
+
+def _is_grace_error(e: BaseException) -> bool:
+    """Errors defined by grace itself (compile errors, runtime errors) are user-facing messages."""
+    mod = type(e).__module__ or ""
+    return mod.startswith("grace.") and type(e).__name__.endswith("Error")
+
+
+# ------------------------------------------------------------------------------------------------
+# commands
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_compile(args) -> int:
+    src = args.exported
+    if not os.path.exists(src):
+        raise CliError(f"{src}: no such file")
+    archs = []
+    for a in args.arch or ["sm_90"]:
+        archs += [x.strip() for x in a.split(",") if x.strip()]
+    bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}[a-z]?", a)]
+    if bad:
+        raise CliError(f"--arch {bad[0]!r}: expected names like sm_80, sm_90, sm_100")
+    try:
+        import torch
+    except ImportError as e:
+        raise CliError(f"grace compile needs torch and triton: pip install 'grace[aot]' ({_one_line(e)})") from e
+    import logging
+    import zipfile
+
+    if not zipfile.is_zipfile(src):
+        raise CliError(
+            f"{src} is not a torch.export file (not a zip archive); write one with "
+            f"torch.export.save(torch.export.export(model, args), '{Path(src).stem}.pt2')"
+        )
+    # torch logs a full traceback as a warning before trying its legacy format: collect the records
+    # instead of printing them, and name the first error in our one-line message.
+    records: list[logging.LogRecord] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    export_log = logging.getLogger("torch.export")
+    saved = (export_log.handlers[:], export_log.propagate, export_log.level)
+    export_log.handlers[:] = [_Collect(logging.WARNING)]
+    export_log.propagate = False
+    export_log.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations, not the user's
+            ep = torch.export.load(src)
+    except Exception as e:
+        cause = f"{type(e).__name__}: {_one_line(e)}"
+        for rec in records:
+            if rec.exc_info and rec.exc_info[1] is not None:
+                cause = f"{type(rec.exc_info[1]).__name__}: {_one_line(rec.exc_info[1])}"
+                break
+        raise CliError(
+            f"{src} is not a torch.export file (write one with torch.export.save(torch.export.export(model, args), "
+            f"'{Path(src).stem}.pt2')): {cause}"
+        ) from e
+    finally:
+        export_log.handlers[:] = saved[0]
+        export_log.propagate = saved[1]
+        export_log.setLevel(saved[2])
+    if not isinstance(ep, torch.export.ExportedProgram):
+        raise CliError(f"{src}: torch.export.load returned {type(ep).__name__}, not an ExportedProgram")
+    try:
+        import grace.aot as aot
+    except ImportError as e:
+        raise CliError(f"the compiler is unavailable: {_one_line(e)}") from e
+    output = Path(args.output)
+    name = args.name or Path(src).stem
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
+        path = aot.compile(ep, output=output, archs=tuple(dict.fromkeys(archs)), name=name, progress=True)
+    path = Path(path) if path is not None else output
+    if not path.exists():
+        raise CliError(f"the compiler reported success but wrote no {path}")
+    return 0  # the compiler reports progress and the result itself (progress=True)
+
+
+def cmd_inspect(args) -> int:
+    from grace.tools.inspect import describe, render
+
+    pkg = _read(args.package, verify=not args.no_verify)
+    desc = describe(pkg, path=args.package)
+    if args.json:
+        print(json.dumps(desc, indent=2))
+    else:
+        from rich.console import Console
+
+        render(desc, Console())
+    return 0
+
+
+def cmd_verify(args) -> int:
+    import grace.formats as formats
+
+    pkg = _read(args.package, verify=True)
+    validate = getattr(formats, "validate_manifest", None)
+    if callable(validate):
+        validate(pkg.manifest)
+    sections = getattr(pkg, "section_info", []) or []
+    version = pkg.format_version
+    version = ".".join(map(str, version)) if isinstance(version, (list, tuple)) else str(version)
+    print(f"OK {args.package}: format {version}, {len(sections)} sections verified (sha256), manifest valid")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import numpy as np
+    from rich.console import Console
+
+    pkg = _read(args.package, verify=True)
+    inputs = _parse_inputs(args.input, pkg.manifest)
+    poison = not args.no_poison
+    t0 = time.perf_counter()
+    if args.interpret:
+        from grace.tools.interpret import run_package
+
+        outputs = run_package(pkg, inputs, poison=poison)
+        mode = "interpreter (CPU)"
+    else:
+        rt = _runtime()
+        try:
+            loaded = rt.load(args.package, device=args.device)
+            sess = loaded.session(poison=poison)
+            dev_out = sess.run(**inputs)
+            sess.sync()
+            outputs = {k: v.numpy() for k, v in dev_out.items()}
+        except getattr(rt, "NoDeviceError", ()) as e:
+            raise _no_device(e) from e
+        mode = f"GPU {args.device}"
+    dt = time.perf_counter() - t0
+    console = Console(stderr=False)
+    _summarize(outputs, console)
+    console.print(f"ran on {mode} in {dt * 1e3:.1f} ms" + ("" if poison else " (arena not poisoned)"))
+    if args.output:
+        np.savez(args.output, **{k: np.asarray(v) for k, v in outputs.items()})
+        console.print(f"wrote {args.output}")
+    return 0
+
+
+def _random_inputs(manifest, seed: int = 0) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s in manifest.get("inputs", []) or []:
+        dtype, shape = s["dtype"], tuple(int(d) for d in s["shape"])
+        if dtype in ("float32", "float16", "float64"):
+            out[s["name"]] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == "bfloat16":
+            raise CliError(
+                f"input {s['name']!r} is bfloat16, which numpy cannot hold; bench needs a device-array input path"
+            )
+        elif dtype == "bool":
+            out[s["name"]] = rng.integers(0, 2, shape).astype(np.bool_)
+        else:
+            # small non-negative integers: valid as indices into any embedding/gather
+            out[s["name"]] = rng.integers(0, 2, shape).astype(dtype)
+    return out
+
+
+def cmd_bench(args) -> int:
+    import numpy as np
+
+    if args.iters < 1 or args.warmup < 0:
+        raise CliError("--iters must be >= 1 and --warmup >= 0")
+    pkg = _read(args.package, verify=True)
+    inputs = _random_inputs(pkg.manifest)
+    rt = _runtime()
+    try:
+        loaded = rt.load(args.package, device=args.device)
+        sess = loaded.session()
+        for _ in range(args.warmup):
+            sess.run(**inputs)
+        sess.sync()
+        per_call = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            sess.run(**inputs)
+            sess.sync()
+            per_call.append(time.perf_counter() - t0)
+        host = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            sess.run(**inputs)
+            host.append(time.perf_counter() - t0)
+            sess.sync()
+    except getattr(rt, "NoDeviceError", ()) as e:
+        raise CliError(f"grace bench needs an NVIDIA GPU: {_one_line(e)}", EXIT_NO_DEVICE) from e
+    ms = np.array(per_call) * 1e3
+    host_us = float(np.median(host)) * 1e6
+    name = (pkg.manifest.get("model") or {}).get("name", Path(args.package).stem)
+    print(
+        f"{name}: {args.iters} iters (warmup {args.warmup}), numpy inputs (host copy included)\n"
+        f"  run()+sync  median {np.median(ms):.4f} ms   p10 {np.percentile(ms, 10):.4f} ms   "
+        f"p90 {np.percentile(ms, 90):.4f} ms\n"
+        f"  run() alone median {host_us:.1f} us host time"
+    )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# parser
+# ------------------------------------------------------------------------------------------------
+
+_EPILOG = """\
+examples:
+  grace compile model.pt2 -o model.grace --arch sm_90,sm_80
+  grace inspect model.grace
+  grace inspect model.grace --json > model.json
+  grace run model.grace --input x=x.npy --output out.npz
+  grace run model.grace --input x=x.npy --interpret        # CPU, no GPU needed
+  grace bench model.grace --iters 200
+  grace verify model.grace
+
+exit codes: 0 ok, 1 error, 2 no usable GPU (or a usage error)
+"""
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wrap one-paragraph descriptions; keep multi-line text (the examples) exactly as written."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="grace",
+        description="grace: ahead-of-time compiler and torch-free runtime for CUDA Graphs. "
+        "Compile a torch.export program into one .grace package, inspect it, and run it on a GPU "
+        "(or on the CPU with Triton's interpreter).",
+        epilog=_EPILOG,
+        formatter_class=_Formatter,
+    )
+    p.add_argument("--traceback", action="store_true", help="show full tracebacks for errors (debugging)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    c = sub.add_parser(
+        "compile",
+        help="compile a torch.export program (.pt2) into a .grace package",
+        description="Compile a program saved with torch.export.save into a .grace package: Triton kernels "
+        "compiled to cubins for each --arch (no GPU needed), weights, memory plan and argument table. "
+        "Needs the [aot] extra (torch, triton).",
+        epilog="examples:\n"
+        "  python -c \"import torch; torch.export.save(torch.export.export(model, (x,)), 'model.pt2')\"\n"
+        "  grace compile model.pt2 -o model.grace\n"
+        "  grace compile model.pt2 -o model.grace --arch sm_90,sm_80 --name my-model\n",
+        formatter_class=_Formatter,
+    )
+    c.add_argument("exported", metavar="EXPORTED.pt2", help="file written by torch.export.save")
+    c.add_argument("-o", "--output", required=True, metavar="MODEL.grace", help="package to write")
+    c.add_argument("--arch", action="append", metavar="SM[,SM...]",
+                   help="target architectures, comma separated or repeated (default: sm_90)")
+    c.add_argument("--name", help="model name recorded in the package (default: the file's stem)")
+    c.set_defaults(func=cmd_compile)
+
+    i = sub.add_parser(
+        "inspect",
+        help="show what is inside a package",
+        description="Show a package's header, inputs/outputs, argument table, memory plan, kernels and graphs. "
+        "--json prints the same information as JSON (keys documented in docs/inspect.md).",
+        epilog="examples:\n  grace inspect model.grace\n  grace inspect model.grace --json | jq '.kernels[].name'\n",
+        formatter_class=_Formatter,
+    )
+    i.add_argument("package", metavar="MODEL.grace")
+    i.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    i.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the sections (faster)")
+    i.set_defaults(func=cmd_inspect)
+
+    r = sub.add_parser(
+        "run",
+        help="run a package once on .npy inputs (GPU, or CPU with --interpret)",
+        description="Run a package once. Inputs come from .npy files, one --input NAME=FILE.npy per package "
+        "input. Prints name, dtype, shape, min/max/mean (and NaN count) per output; --output saves all "
+        "outputs to an .npz file. Without --interpret the GPU runtime is used; with --interpret the "
+        "package's own kernels run on the CPU with Triton's interpreter (fp32/fp16 only). The arena is "
+        "filled with NaN first (--no-poison to skip), so reads of unwritten memory show.",
+        epilog="examples:\n"
+        "  python -c \"import numpy as np; np.save('x.npy', np.random.randn(2, 16).astype('float32'))\"\n"
+        "  grace run model.grace --input x=x.npy\n"
+        "  grace run model.grace --input x=x.npy --interpret --output out.npz\n",
+        formatter_class=_Formatter,
+    )
+    r.add_argument("package", metavar="MODEL.grace")
+    r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input (repeat per input)")
+    r.add_argument("--output", metavar="OUT.npz", help="write all outputs to this .npz file")
+    r.add_argument("--interpret", action="store_true", help="run on the CPU with Triton's interpreter (no GPU)")
+    r.add_argument("--no-poison", action="store_true", help="do not fill the arena with NaN before running")
+    r.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    r.set_defaults(func=cmd_run)
+
+    b = sub.add_parser(
+        "bench",
+        help="time a package on the GPU with random inputs",
+        description="Time run() + sync on random inputs of the package's shapes/dtypes (numpy inputs, so the "
+        "host-to-device copy is included). Prints median/p10/p90 ms per call, and the median host time of "
+        "run() alone (without sync). GPU only.",
+        epilog="examples:\n  grace bench model.grace\n  grace bench model.grace --iters 1000 --warmup 50\n",
+        formatter_class=_Formatter,
+    )
+    b.add_argument("package", metavar="MODEL.grace")
+    b.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
+    b.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
+    b.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    b.set_defaults(func=cmd_bench)
+
+    v = sub.add_parser(
+        "verify",
+        help="check a package's hashes and manifest",
+        description="Read a package with full sha256 verification of every section and manifest validation. "
+        "Prints OK, or the first problem found (exit 1).",
+        epilog="examples:\n  grace verify model.grace\n",
+        formatter_class=_Formatter,
+    )
+    v.add_argument("package", metavar="MODEL.grace")
+    v.set_defaults(func=cmd_verify)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_ERROR
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("grace: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - user errors become one line, bugs keep their traceback
+        if args.traceback:
+            raise
+        rt = sys.modules.get("grace.runtime")
+        no_dev = getattr(rt, "NoDeviceError", None) if rt is not None else None
+        if isinstance(no_dev, type) and isinstance(e, no_dev):
+            e = _no_device(e)
+        if isinstance(e, CliError):
+            code, msg = e.code, str(e)
+        elif isinstance(e, _user_error_types()) or _is_grace_error(e):
+            code, msg = EXIT_ERROR, f"{type(e).__name__}: {e}" if not isinstance(e, CliError) else str(e)
+        else:
+            raise
+        print(f"grace {args.command}: error: {_one_line(msg)}", file=sys.stderr)
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

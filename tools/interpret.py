@@ -1,0 +1,477 @@
+"""CPU reference executor: run a package's own kernels with Triton's interpreter.
+
+`run_package` executes exactly what the GPU runtime would, on the CPU: the same memory plan (one
+byte tensor per region, sized from `regions`), the same argument table (written by the package's own
+table-writer kernel, node 0), and every graph node in order with its recorded grid and arguments.
+Region arguments become typed views into the region tensors; `{"word": i}` arguments are the table
+words (per slot: data pointer, sizes, strides in elements). User inputs and outputs live in host
+buffers reached only through the table, as on the device.
+
+With `poison=True` (the default) the arena is filled with 0xFF bytes before the first node: NaN in
+every float format, -1 in every integer format. A kernel that reads memory nobody wrote shows up as
+NaN in the outputs instead of passing by luck.
+
+Limits: Triton 3.6's interpreter computes wrong results for bfloat16 (see docs/architecture.md), so
+packages touching bf16 are refused. Only the first graph (or the one named by `graph=`) runs.
+
+This module imports torch and triton; `grace.runtime` never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import sys
+import tempfile
+import threading
+from typing import Any, Mapping
+
+import numpy as np
+
+__all__ = ["InterpretError", "run_package", "table_words"]
+
+
+class InterpretError(ValueError):
+    """The package or the inputs cannot be executed by the CPU reference executor."""
+
+
+# manifest dtype name -> (numpy dtype, torch dtype name)
+_DTYPES: dict[str, tuple[Any, str]] = {
+    "float64": (np.float64, "float64"),
+    "float32": (np.float32, "float32"),
+    "float16": (np.float16, "float16"),
+    "bfloat16": (None, "bfloat16"),
+    "int64": (np.int64, "int64"),
+    "int32": (np.int32, "int32"),
+    "int16": (np.int16, "int16"),
+    "int8": (np.int8, "int8"),
+    "uint8": (np.uint8, "uint8"),
+    "bool": (np.bool_, "bool"),
+}
+
+# Triton pointer type in kernels[k]["params"] -> manifest dtype name
+_PARAM_TYPES: dict[str, str] = {
+    "*fp64": "float64",
+    "*fp32": "float32",
+    "*fp16": "float16",
+    "*bf16": "bfloat16",
+    "*i64": "int64",
+    "*u64": "int64",
+    "*i32": "int32",
+    "*i16": "int16",
+    "*i8": "int8",
+    "*u8": "uint8",
+    "*i1": "bool",
+}
+
+_BF16_REASON = (
+    "Triton 3.6's interpreter computes wrong bfloat16 results; "
+    "compile an fp32/fp16 variant for CPU checks, or run bf16 packages on a GPU"
+)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, _DTYPES[name][1])
+
+
+def _shape_str(dtype: str, shape) -> str:
+    return f"{dtype}[{', '.join(str(d) for d in shape)}]"
+
+
+# ----------------------------------------------------------------------------------------------
+# kernel modules
+# ----------------------------------------------------------------------------------------------
+
+_module_cache: dict[str, Any] = {}
+_module_lock = threading.Lock()
+_module_dir: str | None = None
+
+
+_STDLIB_MODULES = ("triton.language", "triton.language.standard", "triton.language.random", "triton.language.math")
+_interpreted_stdlib: dict[int, Any] = {}
+
+
+def _as_interpreted(jit_fn):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    fn = _interpreted_stdlib.get(id(jit_fn))
+    if fn is None:
+        fn = _interpreted_stdlib[id(jit_fn)] = (jit_fn, InterpretedFunction(jit_fn.fn))
+    return fn[1]
+
+
+def _member(fn):
+    def method(*args, **kwargs):  # a plain function, so `x.sum()` binds x like the original
+        return fn(*args, **kwargs)
+
+    method.__name__ = getattr(fn, "__name__", "method")
+    return method
+
+
+@contextlib.contextmanager
+def _interpret_mode():
+    """Triton's interpreter in effect for this block, then everything restored.
+
+    Triton 3.6 decides interpreter-or-compiler when `@triton.jit` decorates a function, reading
+    `triton.knobs.runtime.interpret` (the TRITON_INTERPRET environment variable unless a value was
+    assigned to the knob in Python). Two consequences when triton was imported earlier in the process
+    without TRITON_INTERPRET=1:
+      * kernel modules must be imported inside this block (their @jit then yields InterpretedFunction);
+      * triton.language's own @jit helpers (tl.zeros, tl.sum, tl.max, tl.cdiv, tl.softmax, tl.rand...)
+        were already built as compiler JITFunctions, which raise "Cannot call @triton.jit'd outside
+        of the scope of a kernel" under the interpreter. For the duration of the block they are
+        swapped for InterpretedFunction twins (module attributes and `tl.tensor` member functions).
+    `knobs.runtime.scope()` restores the knob overrides and the environment on exit, so later
+    (non-interpreted) compiles in the same process are unaffected. Not thread-safe: it patches
+    module globals.
+    """
+    import triton.language as tl
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    patches: list[tuple[Any, str, Any]] = []
+    with knobs.runtime.scope():
+        knobs.runtime.interpret = True  # sets the override and os.environ["TRITON_INTERPRET"]
+        try:
+            for name in _STDLIB_MODULES:
+                mod = sys.modules.get(name)
+                if mod is None:
+                    continue
+                for attr, value in list(vars(mod).items()):
+                    if isinstance(value, JITFunction):
+                        patches.append((mod, attr, value))
+                        setattr(mod, attr, _as_interpreted(value))
+            for attr, value in list(vars(tl.core.tensor).items()):
+                if isinstance(value, JITFunction):
+                    patches.append((tl.core.tensor, attr, value))
+                    setattr(tl.core.tensor, attr, _member(_as_interpreted(value)))
+            yield
+        finally:
+            for obj, attr, value in reversed(patches):
+                setattr(obj, attr, value)
+
+
+def _load_kernel_module(source: str, sha: str):
+    """Import kernel source as a module with Triton's interpreter; one module per source sha256."""
+    global _module_dir
+    with _module_lock:
+        mod = _module_cache.get(sha)
+        if mod is not None:
+            return mod
+        if _module_dir is None:
+            _module_dir = tempfile.mkdtemp(prefix="grace-interpret-")
+        # @triton.jit reads the function's source with inspect, so it needs a real file.
+        path = os.path.join(_module_dir, f"k_{sha[:16]}.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(source)
+        mod_name = f"_grace_interpret_{sha[:24]}"
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod  # dataclasses/typing in generated code look the module up
+        try:
+            spec.loader.exec_module(mod)  # the caller holds _interpret_mode()
+        except Exception as e:
+            sys.modules.pop(mod_name, None)
+            raise InterpretError(f"kernel source {path} failed to import: {type(e).__name__}: {e}") from e
+        _module_cache[sha] = mod
+        return mod
+
+
+def _kernel_function(kernel: Mapping, package) -> Any:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    name = kernel.get("name", "?")
+    section = kernel.get("source")
+    if not section:
+        raise InterpretError(f"kernel {name!r} has no source section; the interpreter needs kernel sources")
+    try:
+        raw = bytes(package.section(section))
+    except Exception as e:
+        raise InterpretError(f"kernel {name!r}: cannot read source section {section!r}: {e}") from e
+    source = raw.decode("utf-8")
+    sha = hashlib.sha256(raw).hexdigest()
+    mod = _load_kernel_module(source, sha)
+    fn = getattr(mod, name, None)
+    if fn is None:
+        jitted = [k for k, v in vars(mod).items() if isinstance(v, InterpretedFunction)]
+        if len(jitted) == 1:
+            fn = getattr(mod, jitted[0])
+        else:
+            raise InterpretError(
+                f"kernel {name!r}: source section {section!r} defines no function of that name "
+                f"(jit functions: {', '.join(jitted) or 'none'})"
+            )
+    if not isinstance(fn, InterpretedFunction):
+        raise InterpretError(
+            f"kernel {name!r} was not decorated in interpreter mode (got {type(fn).__name__}); "
+            "is TRITON_INTERPRET overridden?"
+        )
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------
+# package checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_no_bf16(manifest: Mapping) -> None:
+    def uses_bf16():
+        for group in ("inputs", "outputs", "weights", "arena_buffers"):
+            for t in manifest.get(group, []) or []:
+                if t.get("dtype") == "bfloat16":
+                    yield f"{group[:-1]} {t.get('name')!r}"
+        for k in manifest.get("kernels", []) or []:
+            for p in k.get("params", []) or []:
+                if "bf16" in str(p.get("type", "")):
+                    yield f"kernel {k.get('name')!r} parameter {p.get('name')!r}"
+        for g in manifest.get("graphs", []) or []:
+            for node in g.get("nodes", []) or []:
+                for a in node.get("args", []) or []:
+                    if isinstance(a, Mapping) and a.get("dtype") == "bfloat16":
+                        yield f"a node of kernel {node.get('kernel')} in graph {g.get('name')!r}"
+
+    first = next(uses_bf16(), None)
+    if first is not None:
+        raise InterpretError(f"package uses bfloat16 ({first}): {_BF16_REASON}")
+
+
+def _static_shape(t: Mapping, what: str) -> list[int]:
+    shape = list(t.get("shape", []))
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise InterpretError(f"{what} {t.get('name')!r} has a non-static shape {shape}; not supported by the interpreter")
+    return shape
+
+
+def _check_inputs(manifest: Mapping, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    specs = manifest.get("inputs", []) or []
+    expected = ", ".join(f"{s['name']} ({_shape_str(s['dtype'], s['shape'])})" for s in specs) or "none"
+    names = {s["name"] for s in specs}
+    unknown = [n for n in inputs if n not in names]
+    if unknown:
+        raise InterpretError(f"unknown input {unknown[0]!r}; the package expects: {expected}")
+    missing = [s["name"] for s in specs if s["name"] not in inputs]
+    if missing:
+        raise InterpretError(f"missing input {missing[0]!r}; the package expects: {expected}")
+    out = {}
+    for s in specs:
+        name, dtype = s["name"], s["dtype"]
+        shape = _static_shape(s, "input")
+        value = inputs[name]
+        if type(value).__module__.startswith("torch"):
+            if str(value.dtype) == "torch.bfloat16":
+                raise InterpretError(f"input {name!r} is bfloat16: {_BF16_REASON}")
+            value = value.detach().cpu().numpy()
+        arr = np.asarray(value)
+        if dtype == "bfloat16":
+            raise InterpretError(f"input {name!r} is bfloat16: {_BF16_REASON}")
+        want = np.dtype(_DTYPES[dtype][0])
+        if arr.dtype != want:
+            raise InterpretError(f"input {name!r}: dtype {arr.dtype} does not match the package's {dtype}")
+        if list(arr.shape) != shape:
+            raise InterpretError(
+                f"input {name!r}: shape {list(arr.shape)} does not match the package's {shape}"
+            )
+        out[name] = arr
+    return out
+
+
+def table_words(manifest: Mapping, buffers: Mapping[str, Any]) -> list[int]:
+    """The table words for one call: per slot in slot order, data pointer, sizes, strides (elements).
+
+    `buffers` maps a slot's name to a torch tensor (the host buffer the slot points at).
+    """
+    words: list[int] = []
+    for slot in manifest["table"]["slots"]:
+        t = buffers[slot["name"]]
+        rank = int(slot["rank"])
+        if t.dim() != rank:
+            raise InterpretError(f"slot {slot['name']!r}: rank {rank} but buffer has rank {t.dim()}")
+        words.append(int(t.data_ptr()))
+        words.extend(int(s) for s in t.shape)
+        words.extend(int(s) for s in t.stride())
+    return words
+
+
+# ----------------------------------------------------------------------------------------------
+# execution
+# ----------------------------------------------------------------------------------------------
+
+
+def _open(package_or_path):
+    if isinstance(package_or_path, (str, os.PathLike)):
+        from grace.formats import read_package
+
+        return read_package(package_or_path, verify=True)
+    return package_or_path
+
+
+def _weights_section_name(package) -> str:
+    manifest = package.manifest
+    for key in ("weights_section",):
+        if isinstance(manifest.get(key), str):
+            return manifest[key]
+    names = [info[0] for info in getattr(package, "section_info", [])]
+    if "weights" in names:
+        return "weights"
+    candidates = [n for n in names if n.startswith("weights")]
+    if len(candidates) == 1:
+        return candidates[0]
+    raise InterpretError(f"cannot find the weights section among sections {names}")
+
+
+def _fill_weights(package, weights_region) -> None:
+    import torch
+
+    entries = package.manifest.get("weights", []) or []
+    if not entries:
+        return
+    from grace.formats import decode_weights
+
+    tensors = decode_weights(package.section(_weights_section_name(package)))
+    for w in entries:
+        name = w["name"]
+        if name not in tensors:
+            raise InterpretError(f"weight {name!r} is missing from the weights section")
+        _dtype, _shape, data = tensors[name]
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+        off, nbytes = int(w["offset"]), int(w["nbytes"])
+        if raw.numel() != nbytes:
+            raise InterpretError(f"weight {name!r}: {raw.numel()} bytes in the weights section, manifest says {nbytes}")
+        weights_region[off : off + nbytes].copy_(raw)
+
+
+def _region_view(regions: Mapping[str, Any], arg: Mapping, param: Mapping | None, where: str):
+    import torch
+
+    name = arg["region"]
+    if name not in regions:
+        raise InterpretError(f"{where}: unknown region {name!r}")
+    region = regions[name]
+    off, nbytes = int(arg["offset"]), int(arg["nbytes"])
+    if off < 0 or nbytes < 0 or off + nbytes > region.numel():
+        raise InterpretError(f"{where}: range [{off}, {off + nbytes}) outside region {name!r} of {region.numel()} bytes")
+    dtype = arg.get("dtype")
+    if dtype is None and param is not None:
+        dtype = _PARAM_TYPES.get(str(param.get("type")))
+    if dtype is None:
+        ptype = param.get("type") if param else None
+        raise InterpretError(f"{where}: cannot tell the element type (no 'dtype', parameter type {ptype!r})")
+    if dtype not in _DTYPES:
+        raise InterpretError(f"{where}: unknown dtype {dtype!r}")
+    tdt = _torch_dtype(dtype)
+    size = torch.empty((), dtype=tdt).element_size()
+    if off % size or nbytes % size:
+        raise InterpretError(f"{where}: range offset {off} / nbytes {nbytes} not a multiple of {dtype}'s {size} bytes")
+    return region[off : off + nbytes].view(tdt)
+
+
+def run_package(
+    package_or_path,
+    inputs: Mapping[str, Any],
+    *,
+    poison: bool = True,
+    graph: str | None = None,
+) -> dict[str, np.ndarray]:
+    """Run a `.grace` package on the CPU with Triton's interpreter; return its outputs (numpy copies).
+
+    `package_or_path` is a path or a `grace.formats.Package`. `inputs` maps every input name to a
+    numpy array (or CPU torch tensor) of exactly the package's dtype and shape.
+    """
+    import torch
+
+    package = _open(package_or_path)
+    manifest = package.manifest
+    _check_no_bf16(manifest)
+    arrays = _check_inputs(manifest, inputs)
+
+    graphs = manifest.get("graphs", []) or []
+    if not graphs:
+        raise InterpretError("package has no graphs")
+    if graph is None:
+        g = graphs[0]
+    else:
+        found = [x for x in graphs if x.get("name") == graph]
+        if not found:
+            raise InterpretError(f"no graph named {graph!r}; graphs: {', '.join(str(x.get('name')) for x in graphs)}")
+        g = found[0]
+
+    # Regions: one byte tensor each, sized from the memory plan.
+    regions: dict[str, Any] = {}
+    for name, nbytes in (manifest.get("regions") or {}).items():
+        nbytes = int(nbytes)
+        if name == "weights":
+            regions[name] = torch.zeros(nbytes, dtype=torch.uint8)
+        elif poison:
+            regions[name] = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
+        else:
+            regions[name] = torch.zeros(nbytes, dtype=torch.uint8)
+    if "weights" in regions:
+        _fill_weights(package, regions["weights"])
+
+    # Host buffers for user I/O, reached only through the table.
+    buffers: dict[str, Any] = {}
+    for s in manifest.get("inputs", []) or []:
+        buffers[s["name"]] = torch.from_numpy(np.ascontiguousarray(arrays[s["name"]]).copy())
+    for s in manifest.get("outputs", []) or []:
+        if s["dtype"] not in _DTYPES:
+            raise InterpretError(f"output {s['name']!r}: unknown dtype {s['dtype']!r}")
+        shape = _static_shape(s, "output")
+        nbytes = _numel(shape) * _itemsize(s["dtype"])
+        fill = 0xFF if poison else 0  # outputs too: a slot element the graph never writes shows as NaN
+        buf = torch.full((nbytes,), fill, dtype=torch.uint8).view(_torch_dtype(s["dtype"])).view(shape)
+        buffers[s["name"]] = buf
+    missing = [sl["name"] for sl in manifest["table"]["slots"] if sl["name"] not in buffers]
+    if missing:
+        raise InterpretError(f"table slot {missing[0]!r} is neither an input nor an output")
+    words = table_words(manifest, buffers)
+
+    kernels = manifest.get("kernels", []) or []
+    with _interpret_mode():
+        for i, node in enumerate(g.get("nodes", []) or []):
+            _run_node(package, kernels, g, i, node, regions, words)
+
+    return {s["name"]: buffers[s["name"]].numpy().copy() for s in manifest.get("outputs", []) or []}
+
+
+def _run_node(package, kernels, g, i: int, node, regions, words: list[int]) -> None:
+    kidx = node["kernel"]
+    if not 0 <= kidx < len(kernels):
+        raise InterpretError(f"graph {g.get('name')!r} node {i}: kernel index {kidx} out of range")
+    kernel = kernels[kidx]
+    where = f"graph {g.get('name')!r} node {i} ({node.get('label') or kernel.get('name')})"
+    params = kernel.get("params", []) or []
+    node_args = node.get("args", []) or []
+    if len(node_args) != len(params):
+        raise InterpretError(f"{where}: {len(node_args)} arguments for {len(params)} kernel parameters")
+    args = []
+    for a, p in zip(node_args, params):
+        if "word" in a:
+            w = int(a["word"])
+            if not 0 <= w < len(words):
+                raise InterpretError(f"{where}: table word {w} out of range ({len(words)} words)")
+            args.append(words[w])
+        elif "region" in a:
+            args.append(_region_view(regions, a, p, f"{where} parameter {p.get('name')!r}"))
+        else:
+            raise InterpretError(f"{where}: unsupported argument {dict(a)!r}")
+    fn = _kernel_function(kernel, package)
+    grid = tuple(int(x) for x in node.get("grid", [1, 1, 1]))
+    try:
+        fn[grid](*args, num_warps=int(kernel.get("num_warps", 4)), num_stages=int(kernel.get("num_stages", 3)))
+    except Exception as e:
+        raise InterpretError(f"{where}: kernel {kernel.get('name')!r} failed: {type(e).__name__}: {e}") from e
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(_DTYPES[dtype][0]).itemsize
