@@ -218,22 +218,30 @@ def _dot_dtype(*exprs) -> str:
 def matmul(kernel: Kernel, w: Writer):
     inp = kernel.inputs
     m, n, k, batch = inp["m"], inp["n"], inp["k"], inp["batch"]
+    split = inp.get("split", 1)
     dot_t = _dot_dtype(inp["a"], inp["b"])
-    bm = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
-    bn = 32 if n <= 32 else 64 if n <= 64 or m <= 16 else 128
-    bk = max(16, min(next_pow2(k), 64 if dot_t != "float32" else 32))
+    plan = gemm_plan(m, n, k, batch, 2 if dot_t != "float32" else 4)
+    bm, bn, bk = plan.bm, plan.bn, plan.bk
     prec = ""
     if dot_t == "float32":
-        prec = f", input_precision=\"{inp.get('fp32_precision', 'tf32')}\""
+        prec = f", input_precision=\"{inp.get('fp32_precision', 'tf32x3')}\""
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
     w.emit(f"rn = tl.program_id(1) * {bn} + tl.arange(0, {bn})")
-    w.emit("bz = tl.program_id(2)")
+    if split > 1:
+        # split-K: program z handles batch z // split and the K range (z % split) * chunk
+        chunk = cdiv(cdiv(k, split), bk) * bk
+        w.emit(f"bz = tl.program_id(2) // {split}")
+        w.emit(f"k_lo = (tl.program_id(2) % {split}) * {chunk}")
+    else:
+        w.emit("bz = tl.program_id(2)")
+        w.emit("k_lo = 0")
+        chunk = k
     w.emit(f"zero_a = tl.zeros([{bm}, {bk}], tl.int32)")
     w.emit(f"zero_b = tl.zeros([{bk}, {bn}], tl.int32)")
     w.emit(f"acc = tl.zeros([{bm}, {bn}], tl.float32)")
-    w.emit(f"for k0 in range(0, {k}, {bk}):")
+    w.emit(f"for kk in range(0, {chunk}, {bk}):")   # static bounds: the interpreter needs them
     w.indent += 1
-    w.emit(f"rk = k0 + tl.arange(0, {bk})")
+    w.emit(f"rk = k_lo + kk + tl.arange(0, {bk})")
     w.emit(f"mask_a = (rm[:, None] < {m}) & (rk[None, :] < {k})")
     w.emit(f"mask_b = (rk[:, None] < {k}) & (rn[None, :] < {n})")
     actx = Ctx(w, (batch, m, k), ["bz", "rm[:, None]", "rk[None, :]"], mask="mask_a",
@@ -249,12 +257,47 @@ def matmul(kernel: Kernel, w: Writer):
     w.indent -= 1
     w.emit(f"mask = (rm[:, None] < {m}) & (rn[None, :] < {n})")
     w.emit(f"zero = tl.zeros([{bm}, {bn}], tl.int32)")
-    ctx = Ctx(w, (batch, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
+    if split > 1:
+        w.emit("bz = tl.program_id(2)")   # partial sums: [split * batch, m, n], z-major
+    ctx = Ctx(w, (batch * split, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
               linear=f"(bz * {m * n} + rm[:, None] * {n} + rn[None, :])", mask="mask", zero="zero")
     value = ExprEmitter(w, acc="acc").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bm}, {bn}]")
     warps = 4 if bm * bn <= 64 * 64 else 8
-    return (cdiv(m, bm), cdiv(n, bn), batch), warps, 3
+    return (cdiv(m, bm), cdiv(n, bn), batch * split), warps, 3
+
+
+SM_COUNT = 132  # H100/H200; a grid smaller than this leaves multiprocessors idle
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    bm: int
+    bn: int
+    bk: int
+    split: int       # split-K factor: partial sums are reduced by a second kernel
+
+
+def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int) -> GemmPlan:
+    """Tiles for a batch-1-sized GEMM. The largest output tile that still gives every
+    multiprocessor a program; a K step as deep as ~32 KiB of operands per pipeline stage allows
+    (few, deep iterations hide load latency); and split-K when even the smallest tiles leave most
+    of the chip idle and K is deep (decode-like shapes: M tiny, K in the thousands)."""
+    fits = [(bm, bn) for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32),
+                                    (32, 64), (32, 32), (16, 64), (16, 32))
+            if bm <= max(16, next_pow2(m)) and bn <= max(32, next_pow2(n))]
+    bm, bn = fits[-1]
+    for cand in fits:
+        if cdiv(m, cand[0]) * cdiv(n, cand[1]) * batch >= SM_COUNT:
+            bm, bn = cand
+            break
+    bk = 1 << ((32768 // ((bm + bn) * itemsize)).bit_length() - 1)
+    bk = max(16, min(bk, 256, next_pow2(k)))
+    programs = cdiv(m, bm) * cdiv(n, bn) * batch
+    split = 1
+    while programs * split * 2 <= 2 * SM_COUNT and k // (split * 2) >= 4 * bk:
+        split *= 2
+    return GemmPlan(bm, bn, bk, split)
 
 
 # ---- attention --------------------------------------------------------------------------------
@@ -263,10 +306,10 @@ def attention(kernel: Kernel, w: Writer):
     b, h, lq, lk, d, dv = p["b"], p["h"], p["lq"], p["lk"], p["d"], p["dv"]
     dot_t = _dot_dtype(p["q"], p["k"], p["v"])
     tl_dot = TL_TYPE[dot_t]
-    bm = 16 if lq <= 16 else 32 if lq <= 32 else 64
+    bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < SM_COUNT // 2 else 32  # fill the chip
     bn = 16 if lk <= 16 else 32 if lk <= 32 else 64
     bd, bdv = max(16, next_pow2(d)), max(16, next_pow2(dv))
-    prec = ", input_precision=\"tf32\"" if dot_t == "float32" else ""
+    prec = f", input_precision=\"{p.get('fp32_precision', 'tf32x3')}\"" if dot_t == "float32" else ""
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
     w.emit("bh = tl.program_id(1)")
     w.emit(f"ib = bh // {h}")

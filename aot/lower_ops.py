@@ -12,6 +12,7 @@ import operator
 import torch
 
 from . import views
+from .codegen import gemm_plan
 from .ir import Acc, Const, DimMap, Index, Kernel, Op, Reindex, contiguous_strides, numel
 from .lower import LoweringError, as_operand, dtype_name, handles, out_meta
 from .views import TV
@@ -491,11 +492,21 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
     epilogue = Acc("float32")
     if epilogue_fn is not None:
         epilogue = epilogue_fn(epilogue, out_shape)
+    low = {a.dtype, b.dtype} & {"float16", "bfloat16"}
+    split = gemm_plan(m, n, k, batch, 2 if low else 4).split
+    inputs = {"a": a.expr, "b": b.expr, "m": m, "n": n, "k": k, "batch": batch,
+              "fp32_precision": L.options.get("fp32_matmul", "tf32x3"), "split": split}
     buf = L.new_buffer(shape, dtype)
-    kernel = Kernel("matmul", buf, out_shape, epilogue,
-                    {"a": a.expr, "b": b.expr, "m": m, "n": n, "k": k, "batch": batch,
-                     "fp32_precision": L.options.get("fp32_matmul", "tf32")})
-    return views.view(L.emit(kernel), shape)
+    if split == 1:
+        return views.view(L.emit(Kernel("matmul", buf, out_shape, epilogue, inputs)), shape)
+    # split-K: fp32 partial sums [split, batch, m, n], then a reduction that applies the epilogue
+    partial = L.new_buffer((split, batch, m, n), "float32")
+    sums = L.emit(Kernel("matmul", partial, (split * batch, m, n), Acc("float32"), inputs))
+    L.emit(Kernel("reduction", buf, out_shape, epilogue,
+                  {"src": sums.expr, "src_shape": (split, batch, m, n), "rdims": (0,),
+                   "op": "sum", "acc_dtype": "float32"}))
+    return views.contiguous_load(buf) if tuple(shape) == out_shape else \
+        views.view(views.contiguous_load(buf), shape)
 
 
 @handles(aten.mm.default, aten.bmm.default)
@@ -563,11 +574,15 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     shape, dtype = out_meta(node)
     if dropout_p:
         raise LoweringError("attention dropout is not supported (export the model in eval mode)")
-    lead = q.shape[:-2]
-    q4, k4, v4 = (views.view(t, (numel(t.shape[:-2]) if len(t.shape) != 4 else None,) + t.shape[-2:])
-                  if len(t.shape) != 4 else t for t in (q, k, v))
-    if len(q.shape) != 4:
-        q4, k4, v4 = (views.unsqueeze(t, 0) for t in (q4, k4, v4))
+    # [..., L, E] -> [B, H, L, E]: leading dims fold into B (rank > 4) or gain a unit B (rank 3)
+    def as4d(t: TV) -> TV:
+        if len(t.shape) == 4:
+            return t
+        if len(t.shape) < 4:
+            return as4d(views.unsqueeze(t, 0))
+        return views.view(t, (numel(t.shape[:-3]),) + t.shape[-3:])
+
+    q4, k4, v4 = as4d(q), as4d(k), as4d(v)
     b, h, lq, d = q4.shape
     hk, lk, dv = k4.shape[1], k4.shape[2], v4.shape[3]
     if hk != h:
@@ -582,7 +597,8 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     q4, k4, v4 = L.operand(q4), L.operand(k4), L.operand(v4)
     inputs = {"q": q4.expr, "k": k4.expr, "v": v4.expr, "b": b, "h": h, "lq": lq, "lk": lk,
               "d": d, "dv": dv, "causal": bool(is_causal),
-              "scale": float(scale) if scale is not None else 1.0 / math.sqrt(d)}
+              "scale": float(scale) if scale is not None else 1.0 / math.sqrt(d),
+              "fp32_precision": L.options.get("fp32_matmul", "tf32x3")}
     if attn_mask is not None:
         mask = attn_mask
         while len(mask.shape) < 4:

@@ -134,3 +134,11 @@ def test_bad_arch_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="unsupported arch"):
         grace_compile(models.MLP(), (torch.randn(2, 64),), output=tmp_path / "m.grace",
                       archs=("sm_7",), progress=False)
+
+
+def test_deep_small_gemm_splits_k():
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 64), torch.nn.ReLU())
+    _, kernels = lowered(model, torch.randn(1, 4096))
+    assert families(kernels) == ["matmul", "reduction"]
+    assert kernels[0].inputs["split"] > 1
+    assert kernels[1].out.kind == "output"   # bias + ReLU + output copy fused into the reduction

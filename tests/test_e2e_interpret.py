@@ -96,3 +96,9 @@ def test_many_op_kinds(tmp_path):
             return a + b + c + d + e + torch.arange(x.shape[1])
 
     check(Ops(), lambda: (torch.randn(6, 10), torch.randint(0, 6, (4,))), tmp_path)
+
+
+def test_split_k_gemm(tmp_path):
+    """M tiny, K deep: partial sums in the arena, reduced by a second kernel with the epilogue."""
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 48), torch.nn.Tanh())
+    check(model, lambda: (torch.randn(2, 2048),), tmp_path)

@@ -28,7 +28,6 @@ def _models():
             (lambda: __import__("torch").randn(1, 3, 224, 224, device="cuda"))
 
     def gpt2_6l():
-        import torch
 
         from grace.tools import models
         return models.hf_gpt2(n_layer=6, n_embd=768, n_head=12, vocab=50257, n_positions=1024), \
@@ -54,11 +53,8 @@ def time_calls(fn, iters: int, repeats: int, warmup: int) -> list[float]:
     return samples
 
 
-def bench_model(name, make, iters, repeats, warmup, workdir: Path) -> dict:
+def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("tf32x3",)) -> dict:
     import torch
-
-    from grace.aot import compile as grace_compile
-    from grace.runtime import load
 
     model, make_input = make()
     model = model.cuda().eval()
@@ -79,35 +75,46 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path) -> dict:
             result["ms"][key] = statistics.median(time_calls(fn, iters, repeats, warmup))
         torch._dynamo.reset()
 
+    for prec in precisions:
+        key = "grace" if prec == precisions[0] else f"grace[{prec}]"
+        _bench_grace(result, key, model, x, workdir / f"{name}-{prec}.grace", prec,
+                     iters, repeats, warmup)
+    result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
+    return result
+
+
+def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup):
+    import torch
+
+    from grace.aot import compile as grace_compile
+    from grace.runtime import load
+
     t = time.perf_counter()
-    path = workdir / f"{name}.grace"
-    grace_compile(model.cpu(), (x.cpu(),), output=path, progress=False)
-    result["notes"]["grace_compile_s"] = time.perf_counter() - t
+    grace_compile(model.cpu(), (x.cpu(),), output=path, progress=False, fp32_matmul=prec)
+    notes = result["notes"]
+    notes[f"{key}_compile_s"] = time.perf_counter() - t
     model.cuda()
     t = time.perf_counter()
     pkg = load(path)
     sess = pkg.session()
     sess.run(x)
     sess.sync()
-    result["notes"]["grace_load_s"] = time.perf_counter() - t
-    result["notes"]["grace_kernels"] = pkg.manifest["graphs"][0]["stats"]["kernels"]
-    result["ms"]["grace"] = statistics.median(time_calls(lambda: sess.run(x), iters, repeats,
-                                                         warmup))
+    notes[f"{key}_load_s"] = time.perf_counter() - t
+    notes["grace_kernels"] = pkg.manifest["graphs"][0]["stats"]["kernels"]
+    result["ms"][key] = statistics.median(time_calls(lambda: sess.run(x), iters, repeats, warmup))
     # host cost of run(): a short burst, so the GPU queue absorbs it
     sess.sync()
     burst = 20
     t = time.perf_counter()
     for _ in range(burst):
         sess.run(x)
-    result["notes"]["grace_run_host_us"] = (time.perf_counter() - t) / burst * 1e6
+    notes[f"{key}_run_host_us"] = (time.perf_counter() - t) / burst * 1e6
     sess.sync()
     with torch.no_grad():
         ref = model(x).float()
     got = torch.from_numpy(next(iter(sess.run(x).values())).numpy()).cuda()
-    result["notes"]["grace_rel_err"] = float((got - ref).norm() / ref.norm())
-    result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
+    notes[f"{key}_rel_err_vs_eager_tf32"] = float((got - ref).norm() / ref.norm())
     pkg.close()
-    return result
 
 
 def main(argv=None):
@@ -118,6 +125,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None, help="write the raw results as JSON")
+    ap.add_argument("--fp32-matmul", default="tf32x3",
+                    help="comma-separated grace precisions to time (the first is 'grace')")
     args = ap.parse_args(argv)
     import torch
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -127,20 +136,25 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             results.append(bench_model(name, available[name], args.iters, args.repeats,
-                                       args.warmup, Path(tmp)))
+                                       args.warmup, Path(tmp),
+                                       tuple(args.fp32_matmul.split(","))))
     env = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "tf32": True}
     if args.out:
         args.out.write_text(json.dumps({"env": env, "results": results}, indent=2))
     print(f"\n{env}")
+    extra = [k for r in results for k in r["ms"] if k.startswith("grace[")]
+    extra = list(dict.fromkeys(extra))
     print(f"{'model':10s} {'eager':>8s} {'compile':>8s} {'red-ovh':>8s} {'grace':>8s} "
-          f"{'g/ro':>6s} {'kernels':>7s} {'host us':>8s} {'rel err':>8s}")
+          + "".join(f"{k:>14s}" for k in extra)
+          + f" {'g/ro':>6s} {'kernels':>7s} {'host us':>8s} {'rel err':>8s}")
     for r in results:
-        ms = r["ms"]
+        ms, notes = r["ms"], r["notes"]
         print(f"{r['model']:10s} {ms['eager']:8.3f} {ms['torch.compile']:8.3f} "
               f"{ms['reduce-overhead']:8.3f} {ms['grace']:8.3f} "
-              f"{r['ratio_grace_over_reduce_overhead']:6.2f} {r['notes']['grace_kernels']:7d} "
-              f"{r['notes']['grace_run_host_us']:8.1f} {r['notes']['grace_rel_err']:8.1e}")
+              + "".join(f"{ms.get(k, float('nan')):14.3f}" for k in extra)
+              + f" {r['ratio_grace_over_reduce_overhead']:6.2f} {notes['grace_kernels']:7d} "
+              f"{notes['grace_run_host_us']:8.1f} {notes['grace_rel_err_vs_eager_tf32']:8.1e}")
 
 
 if __name__ == "__main__":

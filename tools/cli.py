@@ -218,7 +218,8 @@ def cmd_compile(args) -> int:
     name = args.name or Path(src).stem
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
-        path = aot.compile(ep, output=output, archs=tuple(dict.fromkeys(archs)), name=name, progress=True)
+        path = aot.compile(ep, output=output, archs=tuple(dict.fromkeys(archs)), name=name, progress=True,
+                            fp32_matmul=args.fp32_matmul)
     path = Path(path) if path is not None else output
     if not path.exists():
         raise CliError(f"the compiler reported success but wrote no {path}")
@@ -404,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--arch", action="append", metavar="SM[,SM...]",
                    help="target architectures, comma separated or repeated (default: sm_90)")
     c.add_argument("--name", help="model name recorded in the package (default: the file's stem)")
+    c.add_argument("--fp32-matmul", choices=("tf32x3", "tf32", "ieee"), default="tf32x3",
+                   help="precision of fp32 GEMMs and attention: tf32x3 is near-fp32 accuracy "
+                        "(default), tf32 is fastest (~1e-3 relative error), ieee is exact fp32")
     c.set_defaults(func=cmd_compile)
 
     i = sub.add_parser(

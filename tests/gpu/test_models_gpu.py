@@ -6,7 +6,6 @@ GEMMs allowed) or an fp32 eager run of the same weights (bf16 models).
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 

@@ -1,0 +1,51 @@
+"""Per-kernel GPU time of a grace package run, from torch's CUDA profiler (CUPTI sees every
+kernel in the process's context, ours included).
+
+    python -m grace.tools.profile_kernels MODEL.grace [--iters 20]
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("package")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args(argv)
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from grace.runtime import load
+    pkg = load(args.package)
+    sess = pkg.session()
+    inputs = {}
+    for spec in pkg.manifest["inputs"]:
+        if spec["dtype"].startswith("int"):
+            inputs[spec["name"]] = torch.randint(0, 100, spec["shape"], device="cuda")
+        else:
+            inputs[spec["name"]] = torch.randn(spec["shape"], device="cuda").to(getattr(torch, spec["dtype"]))
+    for _ in range(5):
+        sess.run(**inputs)
+    sess.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.iters):
+            sess.run(**inputs)
+        sess.sync()
+    per = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            per[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+            per[e.name][1] += 1
+    total = sum(v[0] for v in per.values()) / args.iters
+    print(f"GPU kernel time per call: {total:.1f} us over {sum(v[1] for v in per.values()) // args.iters} launches")
+    for name, (us, count) in sorted(per.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"{us / args.iters:9.1f} us {count // args.iters:4d}x  {name}")
+    del np
+
+
+if __name__ == "__main__":
+    main()
