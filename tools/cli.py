@@ -236,7 +236,8 @@ def cmd_inspect(args) -> int:
     else:
         from rich.console import Console
 
-        render(desc, Console())
+        # piped output (CI logs, `| less`) gets a wide table instead of rich's 80-column default
+        render(desc, Console() if sys.stdout.isatty() else Console(width=160))
     return 0
 
 
