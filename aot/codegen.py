@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 
 from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, Writer
-from .ir import Kernel, compute_dtype, numel
+from .ir import Kernel, numel
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
 
@@ -40,7 +40,6 @@ def generate(kernel: Kernel) -> KernelSource:
     template = TEMPLATES[kernel.family]
     w = Writer()
     grid, num_warps, num_stages = template(kernel, w)
-    body = w.prologue + [ln.strip("\n") for ln in w.lines]
     names = w.param_names()
     lines = [f"def KERNEL({', '.join(names)}):"]
     lines += ["    " + ln if not ln.startswith("    ") else ln for ln in w.prologue]
@@ -48,7 +47,6 @@ def generate(kernel: Kernel) -> KernelSource:
     text = HEADER + "\n".join(lines) + "\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"{kernel.family}_{digest}"
-    del body
     return KernelSource(name, kernel.family, text.replace("def KERNEL(", f"def {name}("),
                         w.param_types(), list(w.params), grid, num_warps, num_stages)
 
@@ -394,5 +392,3 @@ def table_writer_source(slots: list[dict]) -> KernelSource:
     return KernelSource("table_writer", "table_writer", text, ["*i64"] + ["i64"] * words, [],
                         (1, 1, 1), 1, 1)
 
-
-__all__ = ["generate", "table_writer_source", "KernelSource", "compute_dtype"]

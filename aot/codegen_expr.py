@@ -200,8 +200,8 @@ class ExprEmitter:
     def _reindex(self, e: Reindex, ctx: Ctx) -> str:
         w = self.w
         child_shape = e.bounds or _shape_of_child(e)
-        dims, conds = [], []
-        for d, m in enumerate(e.maps):
+        dims = []
+        for m in e.maps:
             if m.kind == "const":
                 dims.append(str(m.start))
             elif m.kind == "dim":
@@ -213,8 +213,6 @@ class ExprEmitter:
                 dims.append(idx)
             else:
                 dims.append(self.value(m.expr, ctx))
-            if e.bounds is not None:
-                conds.append(f"({dims[-1]} >= 0) & ({dims[-1]} < {e.bounds[d]})")
         # bind each child index to a variable once
         bound = []
         for idx in dims:
@@ -226,7 +224,7 @@ class ExprEmitter:
                 bound.append(v)
         mask = ctx.mask
         inb = None
-        if conds:
+        if e.bounds is not None:
             inb = w.var("inb")
             conds = [f"({b} >= 0) & ({b} < {e.bounds[d]})" for d, b in enumerate(bound)]
             w.emit(f"{inb} = " + " & ".join(conds))

@@ -9,7 +9,7 @@ the load, and the producer writes the consumer's buffer directly.
 """
 from __future__ import annotations
 
-from .ir import Acc, Kernel, Load, contiguous_strides, loads, numel, walk
+from .ir import Kernel, Load, Op, contiguous_strides, loads, numel, walk
 from .views import reshape
 
 FUSABLE_PRODUCERS = {"pointwise", "reduction", "softmax", "layer_norm", "matmul", "attention"}
@@ -46,8 +46,7 @@ def _substitute(expr, buf, value):
             return memo[id(node)]
         if isinstance(node, Load) and node.buf is buf:
             out = value
-        elif hasattr(node, "args"):
-            from .ir import Op
+        elif isinstance(node, Op):
             out = Op(node.op, [go(a) for a in node.args], node.dtype, node.param)
         else:
             out = node
@@ -96,7 +95,6 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
 def _only_ops_above(expr, buf) -> bool:
     """The loads of `buf` hang directly under pointwise ops (no reindexing in between), so the
     producer's value at the output index can replace them."""
-    from .ir import Op
     for node in walk(expr):
         if isinstance(node, Op) or isinstance(node, Load):
             continue
@@ -104,5 +102,3 @@ def _only_ops_above(expr, buf) -> bool:
             return False
     return True
 
-
-__all__ = ["fuse_epilogues", "Acc"]

@@ -7,7 +7,6 @@ compile error that names the op and the line of the user's model it came from.
 """
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
 import torch
@@ -90,7 +89,7 @@ class Lowering:
         out = into or self.new_buffer(tv.shape, tv.dtype)
         return self.emit(Kernel("pointwise", out, tv.shape, tv.expr))
 
-    def operand(self, tv: TV, cheap=True) -> TV:
+    def operand(self, tv: TV) -> TV:
         """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it."""
         from .ir import is_cheap
         return tv if is_cheap(tv.expr) else self.realize(tv)
@@ -257,5 +256,3 @@ def _py_value(x, dtype):
         return int(x)
     return float(x)
 
-
-operator_getitem = operator.getitem

@@ -13,7 +13,7 @@ import torch
 
 from . import views
 from .codegen import gemm_plan
-from .ir import Acc, Const, DimMap, Index, Kernel, Op, Reindex, contiguous_strides, numel
+from .ir import Acc, Const, DimMap, Index, Kernel, Op, Reindex, numel
 from .lower import LoweringError, as_operand, dtype_name, handles, out_meta
 from .views import TV
 
@@ -22,11 +22,6 @@ aten = torch.ops.aten
 
 def _dt(node_or_val):
     return dtype_name(node_or_val.dtype)
-
-
-def _meta_of(x):
-    """Something torch.result_type accepts: the fake tensor of an FX arg, or the scalar."""
-    return x
 
 
 def _pointwise(L, node, op, *xs, param=None, in_dtype=None):
@@ -608,5 +603,3 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     out = L.emit(Kernel("attention", buf, (b, h, lq, dv), Acc("float32"), inputs))
     return views.view(out, shape)
 
-
-__all__ = ["contiguous_strides"]

@@ -11,7 +11,7 @@ import hashlib
 import torch
 
 from .codegen import KernelSource
-from .ir import ITEMSIZE, Buffer, Program
+from .ir import Buffer, Program
 from .memplan import MemoryPlan
 
 
@@ -92,7 +92,6 @@ def build_manifest(program: Program, kernels, plan: MemoryPlan, deps, sources: l
     families: dict[str, int] = {}
     for src in sources:
         families[src.family] = families.get(src.family, 0) + 1
-    io = {b.name: b for b in program.inputs + program.outputs}
     manifest = {
         "producer": {"grace": _grace_version(), "torch": torch.__version__.split("+")[0],
                      "triton": triton.__version__},
@@ -119,11 +118,9 @@ def build_manifest(program: Program, kernels, plan: MemoryPlan, deps, sources: l
                               "weights_nbytes": plan.weights_nbytes,
                               "arena_nbytes": plan.arena_nbytes}}],
     }
-    del io
     sections["weights"] = encode_weights({
         b.name: (b.dtype, tuple(b.shape), weight_bytes(program.weight_data[b.name]))
         for b in program.weights})
-    assert all(ITEMSIZE[b.dtype] for b in program.weights)
     return manifest, sections
 
 
