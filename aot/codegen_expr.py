@@ -293,18 +293,28 @@ def _cast(v: str, src: str, dst: str) -> str:
     return f"{v}.to({TL_TYPE[compute_dtype(dst)]})"
 
 
+# Pointwise ops as code templates over the argument variables {0}, {1}, {2}.
+OP_TEMPLATES = {
+    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
+    "floordiv": "{0} // {1}", "fmod": "{0} % {1}", "neg": "-{0}",
+    "and": "{0} & {1}", "or": "{0} | {1}", "xor": "{0} ^ {1}",
+    "eq": "{0} == {1}", "ne": "{0} != {1}", "lt": "{0} < {1}", "le": "{0} <= {1}",
+    "gt": "{0} > {1}", "ge": "{0} >= {1}",
+    "exp": "tl.exp({0})", "log": "tl.log({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})",
+    "sin": "tl.sin({0})", "cos": "tl.cos({0})", "erf": "tl.erf({0})", "abs": "tl.abs({0})",
+    "floor": "tl.floor({0})", "ceil": "tl.ceil({0})", "sigmoid": "tl.sigmoid({0})",
+    "reciprocal": "1.0 / {0}", "relu": "tl.maximum({0}, 0)",
+    "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
+    "where": "tl.where({0}, {1}, {2})", "silu": "{0} * tl.sigmoid({0})",
+    "log1p": "tl.log(1.0 + {0})", "expm1": "tl.exp({0}) - 1.0", "isnan": "{0} != {0}",
+    "trunc": "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))", "round": "tl.floor({0} + 0.5)",
+}
+
+
 def _op_code(e: Op, a: list[str], out_c: str, arg_c: list[str]) -> str:
     op = e.op
-    binary = {"add": "+", "sub": "-", "mul": "*", "and": "&", "or": "|", "xor": "^",
-              "eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
-    if op in binary:
-        return f"{a[0]} {binary[op]} {a[1]}"
-    if op == "div":
-        return f"{a[0]} / {a[1]}"
-    if op == "floordiv":
-        return f"{a[0]} // {a[1]}"
-    if op == "neg":
-        return f"-{a[0]}"
+    if op in OP_TEMPLATES:
+        return OP_TEMPLATES[op].format(*a)
     if op == "not":
         return f"{a[0]} == 0" if arg_c[0] != "bool" else f"{a[0]} ^ 1"
     if op == "cast":
@@ -314,46 +324,20 @@ def _op_code(e: Op, a: list[str], out_c: str, arg_c: list[str]) -> str:
         if e.dtype in ("float16", "bfloat16"):
             return f"{a[0]}.to({TL_TYPE[e.dtype]}).to(tl.float32)"
         return f"{a[0]}.to({TL_TYPE[out_c]})"
-    if op in ("exp", "log", "sqrt", "rsqrt", "sin", "cos", "erf", "abs", "floor", "ceil",
-              "sigmoid"):
-        return f"tl.{op}({a[0]})"
-    if op == "reciprocal":
-        return f"1.0 / {a[0]}"
-    if op == "relu":
-        return f"tl.maximum({a[0]}, 0)"
-    if op == "maximum":
-        return f"tl.maximum({a[0]}, {a[1]})"
-    if op == "minimum":
-        return f"tl.minimum({a[0]}, {a[1]})"
-    if op == "where":
-        return f"tl.where({a[0]}, {a[1]}, {a[2]})"
     if op == "tanh":
         return _tanh(a[0])
-    if op == "silu":
-        return f"{a[0]} * tl.sigmoid({a[0]})"
     if op == "gelu":
         if e.param == "tanh":
             inner = f"0.7978845608028654 * ({a[0]} + 0.044715 * {a[0]} * {a[0]} * {a[0]})"
             return f"0.5 * {a[0]} * (1.0 + {_tanh(inner)})"
         return f"0.5 * {a[0]} * (1.0 + tl.erf({a[0]} * 0.7071067811865476))"
-    if op == "log1p":
-        return f"tl.log(1.0 + {a[0]})"
-    if op == "expm1":
-        return f"tl.exp({a[0]}) - 1.0"
-    if op == "isnan":
-        return f"{a[0]} != {a[0]}"
-    if op == "trunc":
-        return f"tl.where({a[0]} < 0, tl.ceil({a[0]}), tl.floor({a[0]}))"
-    if op == "round":
-        return f"tl.floor({a[0]} + 0.5)"
     if op == "sign":
-        return f"({a[0]} > 0).to({TL_TYPE[out_c]}) - ({a[0]} < 0).to({TL_TYPE[out_c]})"
+        t = TL_TYPE[out_c]
+        return f"({a[0]} > 0).to({t}) - ({a[0]} < 0).to({t})"
     if op == "remainder":
         if out_c.startswith("float"):
             return f"{a[0]} - tl.floor({a[0]} / {a[1]}) * {a[1]}"
         return f"(({a[0]} % {a[1]}) + {a[1]}) % {a[1]}"
-    if op == "fmod":
-        return f"{a[0]} % {a[1]}"
     if op == "pow":
         if len(a) == 1:
             return _pow_const(a[0], e.param)
