@@ -127,6 +127,11 @@ class Lowering:
             if not isinstance(val, torch.Tensor):
                 raise LoweringError(f"input '{node.name}' is not a tensor ({type(val).__name__}); "
                                     "only tensor inputs are supported")
+            if any(not isinstance(d, int) for d in val.shape):
+                raise LoweringError(
+                    f"input '{node.name}' has dynamic dimensions {tuple(val.shape)}; this version "
+                    "compiles static shapes only (shape buckets are the next step) — export "
+                    "without dynamic_shapes")
             buf = self.new_buffer(val.shape, dtype_name(val.dtype), "input", node.name)
             self.inputs.append(buf)
             return views.contiguous_load(buf)

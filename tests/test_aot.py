@@ -142,3 +142,10 @@ def test_deep_small_gemm_splits_k():
     assert families(kernels) == ["matmul", "reduction"]
     assert kernels[0].inputs["split"] > 1
     assert kernels[1].out.kind == "output"   # bias + ReLU + output copy fused into the reduction
+
+
+def test_dynamic_shapes_are_rejected_clearly():
+    seq = torch.export.Dim("seq", min=2, max=64)
+    program = torch.export.export(models.MLP(), (torch.randn(8, 64),), dynamic_shapes=({0: seq},))
+    with pytest.raises(LoweringError, match="dynamic dimensions"):
+        lower.lower(export.to_core_aten(program))
