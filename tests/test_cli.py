@@ -206,3 +206,28 @@ def test_compile_bad_arch(tmp_path):
     f.write_bytes(b"")
     err = _one_line_error(grace("compile", f, "-o", tmp_path / "m.grace", "--arch", "hopper"))
     assert "--arch" in err
+
+
+def test_compile_inspect_run_an_exported_model(tmp_path):
+    """The main job through the CLI: torch.export.save → grace compile → inspect --json → run."""
+    torch = pytest.importorskip("torch")
+    from grace.tools.models import MLP
+
+    torch.manual_seed(0)
+    model = MLP().eval()
+    torch.export.save(torch.export.export(model, (torch.randn(3, 64),)), tmp_path / "mlp.pt2")
+    r = grace("compile", tmp_path / "mlp.pt2", "-o", tmp_path / "mlp.grace", "--name", "mlp",
+              "--arch", "sm_90,sm_80")
+    assert r.returncode == 0, r.stderr
+    desc = json.loads(grace("inspect", tmp_path / "mlp.grace", "--json").stdout)
+    assert desc["model"]["name"] == "mlp" and desc["archs"] == ["sm_90", "sm_80"]
+    assert [k["family"] for k in desc["kernels"]] == ["table_writer", "matmul", "matmul"]
+    x = np.random.default_rng(1).standard_normal((3, 64), dtype=np.float32)
+    np.save(tmp_path / "x.npy", x)
+    r = grace("run", tmp_path / "mlp.grace", "--interpret", "--input", f"x={tmp_path / 'x.npy'}",
+              "--output", tmp_path / "out.npz")
+    assert r.returncode == 0, r.stderr
+    got = np.load(tmp_path / "out.npz")["out"]
+    with torch.no_grad():
+        ref = model.double()(torch.from_numpy(x).double()).numpy()
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
