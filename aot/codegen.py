@@ -222,7 +222,7 @@ def matmul(kernel: Kernel, w: Writer):
     bm, bn, bk = plan.bm, plan.bn, plan.bk
     prec = ""
     if dot_t == "float32":
-        prec = f", input_precision=\"{inp.get('fp32_precision', 'tf32x3')}\""
+        prec = f", input_precision=\"{inp['fp32_precision']}\""
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
     w.emit(f"rn = tl.program_id(1) * {bn} + tl.arange(0, {bn})")
     if split > 1:
@@ -327,7 +327,7 @@ def attention(kernel: Kernel, w: Writer):
     bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < SM_COUNT // 2 else 32  # fill the chip
     bn = 16 if lk <= 16 else 32 if lk <= 32 else 64
     bd, bdv = max(16, next_pow2(d)), max(16, next_pow2(dv))
-    prec = f", input_precision=\"{p.get('fp32_precision', 'tf32x3')}\"" if dot_t == "float32" else ""
+    prec = f", input_precision=\"{p['fp32_precision']}\"" if dot_t == "float32" else ""
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
     w.emit("bh = tl.program_id(1)")
     w.emit(f"ib = bh // {h}")

@@ -14,14 +14,18 @@ import torch
 from . import build, codegen, export, fuse, lower, memplan, package
 
 ARCH_RE = re.compile(r"^sm_(\d{2,3})$")
+# Triton input_precision values for fp32 dots (GEMMs and attention), most accurate last. (Triton
+# 3.6 also has bf16x3/bf16x6, but its interpreter rejects them, so --interpret could not run them.)
+FP32_MATMUL_CHOICES = ("tf32", "tf32x3", "ieee")
 
 
 @dataclass(frozen=True)
 class CompileOptions:
     archs: tuple[str, ...] = ("sm_90",)
-    # Triton's input_precision for fp32 dots: tf32x3 (three tf32 passes) is close to fp32 accuracy at
-    # a fraction of ieee's cost; tf32 is fastest but gives ~1e-3 relative error on deep models.
-    fp32_matmul: str = "tf32x3"
+    # Triton's input_precision for fp32 dots: tf32x3 (three tf32 passes) stays near fp32 accuracy
+    # at a fraction of ieee's cost; plain tf32 is fastest but gives ~1e-3 relative error on deep
+    # models (docs/performance.md).
+    fp32_matmul: str = lower.DEFAULT_OPTIONS["fp32_matmul"]
     jobs: int | None = None            # parallel kernel builds (default: CPU count, max 8)
     progress: bool = False
 
@@ -32,8 +36,9 @@ class CompileOptions:
             m = ARCH_RE.match(arch)
             if not m or int(m.group(1)) < 80:
                 raise ValueError(f"unsupported arch {arch!r}: expected sm_80, sm_90, sm_100, ...")
-        if self.fp32_matmul not in ("tf32", "ieee", "tf32x3"):
-            raise ValueError(f"fp32_matmul must be tf32, ieee or tf32x3, not {self.fp32_matmul!r}")
+        if self.fp32_matmul not in FP32_MATMUL_CHOICES:
+            raise ValueError(f"fp32_matmul must be one of {', '.join(FP32_MATMUL_CHOICES)}, "
+                             f"not {self.fp32_matmul!r}")
 
     def recorded(self) -> dict:
         d = asdict(self)
@@ -52,9 +57,10 @@ class CompileReport:
 
 
 def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None,  # noqa: A001
-            progress=True, fp32_matmul="tf32x3", jobs=None, dynamic_shapes=None) -> Path:
+            progress=True, fp32_matmul=None, jobs=None, dynamic_shapes=None) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file."""
-    options = CompileOptions(tuple(archs), fp32_matmul, jobs, progress)
+    options = CompileOptions(tuple(archs), fp32_matmul or lower.DEFAULT_OPTIONS["fp32_matmul"],
+                             jobs, progress)
     if isinstance(program, torch.nn.Module):
         if example_inputs is None:
             raise ValueError("example_inputs are required to export an nn.Module")

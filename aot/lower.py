@@ -19,6 +19,7 @@ from .ir import (Buffer, Const, Kernel, Load, Op, Program, contiguous_strides, e
 from .views import TV
 
 HANDLERS: dict[Any, Callable] = {}
+DEFAULT_OPTIONS = {"fp32_matmul": "tf32x3"}   # see compiler.CompileOptions
 
 
 class LoweringError(ValueError):
@@ -59,7 +60,7 @@ class Lowering:
     def __init__(self, program: ExportedProgram, name: str, options: dict | None = None):
         self.program = program
         self.name = name
-        self.options = options or {}
+        self.options = {**DEFAULT_OPTIONS, **(options or {})}
         self.kernels: list[Kernel] = []
         self.inputs: list[Buffer] = []
         self.outputs: list[Buffer] = []

@@ -490,7 +490,7 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
     low = {a.dtype, b.dtype} & {"float16", "bfloat16"}
     split = gemm_plan(m, n, k, batch, 2 if low else 4).split
     inputs = {"a": a.expr, "b": b.expr, "m": m, "n": n, "k": k, "batch": batch,
-              "fp32_precision": L.options.get("fp32_matmul", "tf32x3"), "split": split}
+              "fp32_precision": L.options["fp32_matmul"], "split": split}
     buf = L.new_buffer(shape, dtype)
     if split == 1:
         return views.view(L.emit(Kernel("matmul", buf, out_shape, epilogue, inputs)), shape)
@@ -593,7 +593,7 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     inputs = {"q": q4.expr, "k": k4.expr, "v": v4.expr, "b": b, "h": h, "lq": lq, "lk": lk,
               "d": d, "dv": dv, "causal": bool(is_causal),
               "scale": float(scale) if scale is not None else 1.0 / math.sqrt(d),
-              "fp32_precision": L.options.get("fp32_matmul", "tf32x3")}
+              "fp32_precision": L.options["fp32_matmul"]}
     if attn_mask is not None:
         mask = attn_mask
         while len(mask.shape) < 4:
