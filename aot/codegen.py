@@ -271,6 +271,7 @@ def matmul(kernel: Kernel, w: Writer):
 
 
 SM_COUNT = 132  # H100/H200; a grid smaller than this leaves multiprocessors idle
+ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
 
 
@@ -325,7 +326,7 @@ def attention(kernel: Kernel, w: Writer):
     dot_t = _dot_dtype(p["q"], p["k"], p["v"])
     tl_dot = TL_TYPE[dot_t]
     bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < SM_COUNT // 2 else 32  # fill the chip
-    bn = 16 if lk <= 16 else 32 if lk <= 32 else 64
+    bn = 16 if lk <= 16 else 32 if lk <= 32 else 64 if lk <= 64 else ATTN_MAX_BLOCK_N
     bd, bdv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     prec = f", input_precision=\"{p['fp32_precision']}\"" if dot_t == "float32" else ""
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")

@@ -102,3 +102,18 @@ def test_split_k_gemm(tmp_path):
     """M tiny, K deep: partial sums in the arena, reduced by a second kernel with the epilogue."""
     model = torch.nn.Sequential(torch.nn.Linear(2048, 48), torch.nn.Tanh())
     check(model, lambda: (torch.randn(2, 2048),), tmp_path)
+
+
+def test_attention_longer_than_one_key_block(tmp_path):
+    """Key loops of several blocks, a partial last block, causal skipping and an additive mask."""
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v, bias):
+            causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            masked = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            return causal + masked
+
+    def inputs():
+        return (torch.randn(1, 2, 150, 32), torch.randn(1, 2, 150, 32), torch.randn(1, 2, 150, 32),
+                torch.randn(150, 150))
+
+    check(Attn(), inputs, tmp_path)
