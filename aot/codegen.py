@@ -42,7 +42,7 @@ def generate(kernel: Kernel) -> KernelSource:
     grid, num_warps, num_stages = template(kernel, w)
     names = w.param_names()
     lines = [f"def KERNEL({', '.join(names)}):"]
-    lines += ["    " + ln if not ln.startswith("    ") else ln for ln in w.prologue]
+    lines += ["    " + ln for ln in w.prologue]
     lines += w.lines
     text = HEADER + "\n".join(lines) + "\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -9,7 +9,7 @@ directly, so the common case compiles to `tl.load(p + offs)`.
 from __future__ import annotations
 
 from .ir import (Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape, compute_dtype,
-                 contiguous_strides, numel)
+                 contiguous_strides, is_contiguous, numel)
 
 TL_TYPE = {
     "float64": "tl.float64", "float32": "tl.float32", "float16": "tl.float16",
@@ -44,15 +44,12 @@ class Writer:
         """The typed pointer variable of a buffer; I/O buffers are read from their table slot."""
         key = id(buf)
         if key not in self._ptr:
-            i = len(self.params)
+            name = f"p{len(self.params)}"
             self.params.append(buf)
             if buf.kind in ("input", "output"):
-                name = f"p{i}"
                 self.prologue.append(
-                    f"{name} = tl.load(p{i}_slot).to(tl.pointer_type({TL_TYPE[buf.dtype]}))")
+                    f"{name} = tl.load({name}_slot).to(tl.pointer_type({TL_TYPE[buf.dtype]}))")
                 self.prologue.append(f"{name} = tl.multiple_of({name}, 16)")
-            else:
-                name = f"p{i}"
             self._ptr[key] = name
         return self._ptr[key]
 
@@ -153,7 +150,7 @@ class ExprEmitter:
         ptr = w.ptr(e.buf)
         big = numel(e.buf.shape) >= 2**31
         if (ctx.linear is not None and not big
-                and _same_layout(e.strides, contiguous_strides(ctx.shape), ctx.shape)):
+                and is_contiguous(e.strides, ctx.shape)):
             addr = ctx.linear if e.offset == 0 else f"{ctx.linear} + {e.offset}"
         else:
             terms = [str(e.offset)] if e.offset else []
@@ -281,10 +278,6 @@ def _shape_of_child(e: Reindex):
     # Without bounds the child shape only matters for unraveling, which Reindex never needs:
     # every child dimension is given explicitly.
     return tuple(1 << 30 for _ in e.maps)
-
-
-def _same_layout(strides, contiguous, shape) -> bool:
-    return all(s == c or size == 1 for s, c, size in zip(strides, contiguous, shape))
 
 
 def _cast(v: str, src: str, dst: str) -> str:

@@ -9,7 +9,7 @@ the load, and the producer writes the consumer's buffer directly.
 """
 from __future__ import annotations
 
-from .ir import Kernel, Load, Op, contiguous_strides, loads, numel, walk
+from .ir import Kernel, Load, Op, is_contiguous, loads, numel, walk
 from .views import reshape
 
 FUSABLE_PRODUCERS = {"pointwise", "reduction", "softmax", "layer_norm", "matmul", "attention"}
@@ -23,17 +23,14 @@ def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
     return readers
 
 
-def _identity_load(consumer: Kernel, buf) -> bool:
-    """Every load of `buf` in the consumer reads element i at flat output index i."""
+def _identity_load(expr, shape, buf) -> bool:
+    """Every load of `buf` in `expr` (over `shape`) reads element i at flat index i."""
     found = False
-    for load in loads(consumer.epilogue):
+    for load in loads(expr):
         if load.buf is not buf:
             continue
         found = True
-        want = contiguous_strides(consumer.out_shape)
-        same = all(s == c or size == 1
-                   for s, c, size in zip(load.strides, want, consumer.out_shape))
-        if load.offset != 0 or not same:
+        if load.offset != 0 or not is_contiguous(load.strides, shape):
             return False
     return found
 
@@ -74,12 +71,12 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
                     continue
                 if numel(producer.out_shape) != numel(consumer.out_shape):
                     continue
-                if not _identity_load(consumer, buf):
+                if not _identity_load(consumer.epilogue, consumer.out_shape, buf):
                     continue
                 expr = reshape(consumer.epilogue, consumer.out_shape, producer.out_shape)
                 # after the reshape the load of `buf` must still be the identity
-                probe = Kernel("pointwise", consumer.out, producer.out_shape, expr)
-                if not _identity_load(probe, buf) or not _only_ops_above(expr, buf):
+                if (not _identity_load(expr, producer.out_shape, buf)
+                        or not _only_ops_above(expr, buf)):
                     continue
                 producer.epilogue = _substitute(expr, buf, producer.epilogue)
                 producer.out = consumer.out

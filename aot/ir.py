@@ -37,6 +37,12 @@ def contiguous_strides(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+def is_contiguous(strides, shape) -> bool:
+    """`strides` walk `shape` in row-major order (a size-1 dimension may have any stride)."""
+    return all(s == c or size == 1
+               for s, c, size in zip(strides, contiguous_strides(shape), shape))
+
+
 def compute_dtype(dtype: str) -> str:
     """Half-precision values are computed in fp32 inside a kernel and rounded on store."""
     return "float32" if dtype in ("float16", "bfloat16") else dtype

@@ -14,8 +14,8 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from . import views
-from .ir import (Buffer, Const, Kernel, Load, Op, Program, contiguous_strides, expr_size,
-                 TRANSCENDENTAL, walk)
+from .ir import (TRANSCENDENTAL, Buffer, Const, Kernel, Load, Op, Program, contiguous_strides,
+                 expr_size, is_cheap, walk)
 from .views import TV
 
 HANDLERS: dict[Any, Callable] = {}
@@ -69,6 +69,7 @@ class Lowering:
         self.env: dict[torch.fx.Node, Any] = {}
         self._count = 0
         self.node: torch.fx.Node | None = None
+        self.folded: dict = {}
 
     # ---- buffers and kernels ----------------------------------------------------------------
     def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None) -> Buffer:
@@ -92,7 +93,6 @@ class Lowering:
 
     def operand(self, tv: TV) -> TV:
         """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it."""
-        from .ir import is_cheap
         return tv if is_cheap(tv.expr) else self.realize(tv)
 
     # ---- the walk ----------------------------------------------------------------------------
@@ -107,8 +107,8 @@ class Lowering:
         state.update(self.program.constants)
         specs = {spec.arg.name: spec for spec in sig.input_specs}
         graph = self.program.graph_module.graph
-        folded = fold_constants(graph, specs, state)
-        self._folded_users = set(folded)
+        self.folded = fold_constants(graph, specs, state)
+        folded = self.folded
         for node in graph.nodes:
             self.node = node
             if node in folded:
@@ -148,8 +148,8 @@ class Lowering:
         """A value computed at compile time (masks, position ids): stored like a weight."""
         if not isinstance(value, torch.Tensor):
             return value
-        if not any(u.op == "output" or u not in self._folded_users for u in node.users):
-            return None
+        if all(u in self.folded for u in node.users):
+            return None   # only read by other folded nodes
         buf = self.new_buffer(value.shape, dtype_name(value.dtype), "weight", f"const.{node.name}")
         self.weights.append(buf)
         self.weight_data[buf.name] = value.detach().contiguous().cpu()

@@ -20,10 +20,6 @@ from .views import TV
 aten = torch.ops.aten
 
 
-def _dt(node_or_val):
-    return dtype_name(node_or_val.dtype)
-
-
 def _pointwise(L, node, op, *xs, param=None, in_dtype=None):
     shape, dtype = out_meta(node)
     args = [as_operand(x, shape, in_dtype or dtype) for x in xs]
@@ -31,18 +27,11 @@ def _pointwise(L, node, op, *xs, param=None, in_dtype=None):
 
 
 def _common_dtype(node) -> str:
-    """The dtype torch computes a comparison in (the promoted type of its operands)."""
-    metas = []
-    for a in node.args[:2]:
-        if isinstance(a, torch.fx.Node):
-            metas.append(a.meta["val"])
-        else:
-            metas.append(a)
-    if len(metas) == 1:
-        return _dt(metas[0])
-    if not isinstance(metas[0], torch.Tensor) and not isinstance(metas[1], torch.Tensor):
+    """The dtype torch compares two operands in (their promoted type)."""
+    a, b = (x.meta["val"] if isinstance(x, torch.fx.Node) else x for x in node.args[:2])
+    if not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor):
         return "float32"
-    return dtype_name(torch.result_type(metas[0], metas[1]))
+    return dtype_name(torch.result_type(a, b))
 
 
 # ---- pointwise ---------------------------------------------------------------------------------

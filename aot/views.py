@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .ir import Cat, Const, DimMap, Expr, Index, Load, Op, Reindex, Reshape, contiguous_strides
+from .ir import (Cat, Const, DimMap, Expr, Index, Load, Op, Reindex, Reshape, contiguous_strides,
+                 numel)
 
 
 class TV:
@@ -192,9 +193,11 @@ def unsqueeze(tv: TV, dim: int) -> TV:
 
 
 def squeeze(tv: TV, dims=None) -> TV:
+    ndim = len(tv.shape)
     if dims is None:
-        dims = [d for d, s in enumerate(tv.shape) if s == 1]
-    dims = {d % len(tv.shape) for d in dims if tv.shape[d % len(tv.shape)] == 1} if tv.shape else set()
+        dims = range(ndim)
+    # torch ignores dimensions that are not of size 1
+    dims = {d % ndim for d in dims if tv.shape[d % ndim] == 1} if ndim else set()
     if not dims:
         return tv
     maps, kept = [], 0
@@ -211,14 +214,8 @@ def squeeze(tv: TV, dims=None) -> TV:
 def view(tv: TV, shape) -> TV:
     shape = list(shape)
     if -1 in shape:
-        known = 1
-        for s in shape:
-            if s != -1:
-                known *= s
-        total = 1
-        for s in tv.shape:
-            total *= s
-        shape[shape.index(-1)] = total // known if known else 0
+        known = numel([s for s in shape if s != -1])
+        shape[shape.index(-1)] = numel(tv.shape) // known if known else 0
     return TV(reshape(tv.expr, tv.shape, shape), shape)
 
 

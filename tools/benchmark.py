@@ -20,18 +20,18 @@ from pathlib import Path
 
 
 def _models():
-    import torch  # noqa: F401
+    """name -> factory returning (model, make_input); imported lazily (timm only on the GPU box)."""
+    import torch
 
     def vit_s():
         import timm
-        return timm.create_model("vit_small_patch16_224", pretrained=False).eval(), \
-            (lambda: __import__("torch").randn(1, 3, 224, 224, device="cuda"))
+        return (timm.create_model("vit_small_patch16_224", pretrained=False).eval(),
+                lambda: torch.randn(1, 3, 224, 224, device="cuda"))
 
     def gpt2_6l():
-
         from grace.tools import models
-        return models.hf_gpt2(n_layer=6, n_embd=768, n_head=12, vocab=50257, n_positions=1024), \
-            (lambda: torch.randint(0, 50257, (1, 32), device="cuda"))
+        return (models.hf_gpt2(n_layer=6, n_embd=768, n_head=12, vocab=50257, n_positions=1024),
+                lambda: torch.randint(0, 50257, (1, 32), device="cuda"))
 
     return {"vit_s": vit_s, "gpt2_6l": gpt2_6l}
 

@@ -280,20 +280,14 @@ def _check_inputs(manifest: Mapping, inputs: Mapping[str, Any]) -> dict[str, np.
 
 
 def table_words(manifest: Mapping, buffers: Mapping[str, Any]) -> list[int]:
-    """The table words for one call: per slot in slot order, data pointer, sizes, strides (elements).
+    """The table words for one call, laid out by the runtime's own code (same table, same words).
 
-    `buffers` maps a slot's name to a torch tensor (the host buffer the slot points at).
+    `buffers` maps a slot's name to the contiguous torch tensor the slot points at.
     """
-    words: list[int] = []
-    for slot in manifest["table"]["slots"]:
-        t = buffers[slot["name"]]
-        rank = int(slot["rank"])
-        if t.dim() != rank:
-            raise InterpretError(f"slot {slot['name']!r}: rank {rank} but buffer has rank {t.dim()}")
-        words.append(int(t.data_ptr()))
-        words.extend(int(s) for s in t.shape)
-        words.extend(int(s) for s in t.stride())
-    return words
+    from grace.runtime.validate import table_words as words_of
+
+    tensors = [buffers[slot["name"]] for slot in manifest["table"]["slots"]]
+    return words_of([tuple(t.shape) for t in tensors], [t.data_ptr() for t in tensors])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,39 +303,22 @@ def _open(package_or_path):
     return package_or_path
 
 
-def _weights_section_name(package) -> str:
-    manifest = package.manifest
-    for key in ("weights_section",):
-        if isinstance(manifest.get(key), str):
-            return manifest[key]
-    names = [info[0] for info in getattr(package, "section_info", [])]
-    if "weights" in names:
-        return "weights"
-    candidates = [n for n in names if n.startswith("weights")]
-    if len(candidates) == 1:
-        return candidates[0]
-    raise InterpretError(f"cannot find the weights section among sections {names}")
-
-
 def _fill_weights(package, weights_region) -> None:
+    """Copy each weight to its offset. The reader has already checked that every manifest entry
+    matches its tensor in the safetensors section (dtype, shape, size)."""
     import torch
 
-    entries = package.manifest.get("weights", []) or []
-    if not entries:
-        return
     from grace.formats import decode_weights
 
-    tensors = decode_weights(package.section(_weights_section_name(package)))
+    entries = package.manifest.get("weights") or []
+    if not entries:
+        return
+    tensors = decode_weights(package.section("weights"))
     for w in entries:
-        name = w["name"]
-        if name not in tensors:
-            raise InterpretError(f"weight {name!r} is missing from the weights section")
-        _dtype, _shape, data = tensors[name]
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
-        off, nbytes = int(w["offset"]), int(w["nbytes"])
-        if raw.numel() != nbytes:
-            raise InterpretError(f"weight {name!r}: {raw.numel()} bytes in the weights section, manifest says {nbytes}")
-        weights_region[off : off + nbytes].copy_(raw)
+        data = tensors[w["name"]][2]
+        if len(data):
+            off = int(w["offset"])
+            weights_region[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
 def _region_view(regions: Mapping[str, Any], arg: Mapping, param: Mapping | None, where: str):
