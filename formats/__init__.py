@@ -8,12 +8,14 @@ from .container import FORMAT_VERSION
 from .dtypes import DTYPES
 from .errors import (BadMagicError, ChecksumError, FormatError, ManifestError, TruncatedError,
                      UnsupportedVersionError)
-from .manifest import validate_manifest
+from .manifest import Symbol, validate_manifest, validated_symbols
 from .package import Package, read_package, write_package
+from .shapes import SHAPE_OPS, eval_shape_expr, expr_symbols, format_shape_expr, select_graph
 from .weights import decode_weights, encode_weights
 
 __all__ = [
     "write_package", "read_package", "Package", "encode_weights", "decode_weights",
-    "validate_manifest", "FORMAT_VERSION", "DTYPES", "FormatError", "BadMagicError",
+    "validate_manifest", "validated_symbols", "Symbol", "eval_shape_expr", "expr_symbols",
+    "format_shape_expr", "select_graph", "SHAPE_OPS", "FORMAT_VERSION", "DTYPES", "FormatError", "BadMagicError",
     "UnsupportedVersionError", "TruncatedError", "ChecksumError", "ManifestError",
 ]

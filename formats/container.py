@@ -32,7 +32,9 @@ from typing import NamedTuple
 from .errors import BadMagicError, ChecksumError, FormatError, TruncatedError, UnsupportedVersionError
 
 MAGIC = b"GRACE\0PK"
-FORMAT_VERSION = (1, 0)
+# 2.0: shape buckets (symbols, shape expressions, table extents, one graph per bucket). A major
+# bump because a 1.x reader would silently mis-size the table and ignore the extra graphs.
+FORMAT_VERSION = (2, 0)
 ALIGN = 4096  # section data starts on a page boundary so the weights blob can be mmapped in place
 
 _HEADER = struct.Struct("<8sHHIQQQQQII32s32s")
@@ -156,7 +158,8 @@ def parse_container(buf: memoryview, *, verify: bool = True) -> Container:
     if major != FORMAT_VERSION[0]:
         raise UnsupportedVersionError(
             f"package format version {major}.{minor} is not supported by this reader "
-            f"(reads {FORMAT_VERSION[0]}.x, up to {FORMAT_VERSION[0]}.{FORMAT_VERSION[1]})")
+            f"(reads {FORMAT_VERSION[0]}.x, up to {FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}): "
+            "recompile the model with this grace (grace compile)")
     if total < HEADER_NBYTES:
         raise TruncatedError(f"package is only {total} bytes; the header is {HEADER_NBYTES}")
     (_, _, _, flags, file_nbytes, index_offset, index_nbytes, manifest_offset, manifest_nbytes,

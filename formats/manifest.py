@@ -1,30 +1,53 @@
-"""Schema validation of the manifest (docs/architecture.md, SPEC.md §4).
+"""Schema validation of the manifest, format 2.0 (SPEC.md §3, docs/architecture.md).
 
 The runtime launches kernels with raw device pointers computed from these numbers, so a single bad
 offset becomes an out-of-bounds write on the GPU. Everything that feeds a pointer, a size or a launch
 configuration is therefore checked here, on the CPU, before anything is allocated. Errors carry the
 path of the offending field ("graphs[0].nodes[5].args[2]: ...") so a compiler bug can be found from
 the message alone. Unknown keys are ignored: newer minor versions may add them.
+
+Format 2.0 adds shape buckets (docs/design-buckets.md): `symbols` (dynamic dimensions), shape
+expressions in the I/O shapes, the `table.extents` words that carry the symbol values to kernels,
+and per graph its `bucket` (the symbol bounds it was lowered for) and `arena` (the bytes it uses).
+The cross-references between them are all checked here, because the runtime derives every
+graph's choice and every table word from them without further checks.
 """
 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 from .container import FORMAT_VERSION, check_section_name
 from .dtypes import DTYPES, numel
 from .errors import FormatError, ManifestError
+from .shapes import check_shape_expr, expr_symbols, format_shape_expr
 
 SLOT_ROLES = ("input", "output")
 REGIONS = ("weights", "arena", "table")
-_REGION_WORDS = {"weights": "weights region", "arena": "arena", "table": "table"}
+# how an out-of-range message names each region; arena args are checked against graphs[i].arena
+_REGION_WORDS = {"weights": "weights region", "arena": "graph's arena", "table": "table"}
 WORD_PARAM_TYPES = ("i64", "i32")  # a {"word": i} argument is an integer scalar
 WEIGHT_ALIGN = 256
 SLOT_ALIGN = 16
 MAX_RANK = 64
+SYMBOL_KINDS = ("input", "data")
+EXTENTS_ALIGN = 8  # symbol values are int64 table words
+_I64_MAX = 2**63 - 1  # symbol values and bounds travel as int64 table words
+_SYMBOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _GRID_MAX = (2**31 - 1, 65535, 65535)  # CUDA gridDim limits
 _PARAM_TYPE_RE = re.compile(r"\*?(i1|i8|i16|i32|i64|u8|u16|u32|u64|fp8e4nv|fp8e5|fp16|bf16|fp32|fp64)")
 _ARCH_RE = re.compile(r"sm_[0-9]+[a-z]?")
+
+
+class Symbol(NamedTuple):
+    """A validated `symbols[index]` entry; `sources` are (input_index, dim) pairs in manifest order."""
+    index: int
+    name: str
+    kind: str
+    min: int
+    max: int
+    sources: tuple
 
 
 def _fail(path: str, msg: str):
@@ -107,7 +130,7 @@ def _no_overlap(spans, what: str) -> None:
 
 
 def validate_manifest(manifest, section_names=None) -> None:
-    """Raise ManifestError unless `manifest` follows schema v1.
+    """Raise ManifestError unless `manifest` follows schema 2.0 (SPEC.md §3).
 
     `section_names` (the package's sections) enables the checks that referenced kernel binaries and
     sources exist; read_package and write_package pass it, a compiler stage may leave it out.
@@ -121,7 +144,8 @@ def validate_manifest(manifest, section_names=None) -> None:
         if len(fv) != 2 or not all(_is_int(x) for x in fv):
             _fail("format_version", f"expected [major, minor], got {fv!r}")
         if fv[0] != FORMAT_VERSION[0]:
-            _fail("format_version", f"major version {fv[0]} is not {FORMAT_VERSION[0]}")
+            _fail("format_version", f"major version {fv[0]} is not {FORMAT_VERSION[0]}: "
+                                    "recompile the model with this grace")
     for key in ("producer", "model", "options"):
         if key in m:
             _dict(m[key], key)
@@ -136,14 +160,26 @@ def validate_manifest(manifest, section_names=None) -> None:
         _fail("archs", "duplicate architectures")
 
     regions = _regions(m)
-    slots, words = _table(m, regions)
+    symbols = _symbols(m)
+    slots, words = _table(m, regions, len(symbols))
     io_slots: dict[int, str] = {}
-    _io(m, "inputs", "input", slots, io_slots)
-    _io(m, "outputs", "output", slots, io_slots)
+    inputs = _io(m, "inputs", "input", slots, io_slots,
+                 lambda d, p, i, dim: _input_dim(d, p, i, dim, symbols))
+    _io(m, "outputs", "output", slots, io_slots,
+        lambda d, p, i, dim: _output_dim(d, p, dim, symbols))
+    _symbol_sources(symbols, inputs)
     _weights(m, regions, section_names)
     _arena_buffers(m, regions)
     kernels = _kernels(m, archs, section_names)
-    _graphs(m, kernels, regions, words)
+    _graphs(m, kernels, regions, words, symbols)
+
+
+def validated_symbols(manifest: dict) -> dict[str, Symbol]:
+    """The symbols of a manifest that passed `validate_manifest`, by name, in declaration order.
+
+    For the runtime and tools, so they read symbols through the same parsing the validator used.
+    """
+    return _symbols(manifest)
 
 
 def _regions(m: dict) -> dict:
@@ -153,8 +189,51 @@ def _regions(m: dict) -> dict:
     return regions
 
 
-def _table(m: dict, regions: dict) -> tuple[list, int]:
-    """Return the slots and the number of table words (1 + 2*rank per slot)."""
+def _symbols(m: dict) -> dict[str, Symbol]:
+    """Check `symbols` on its own (sources are checked against the inputs by `_symbol_sources`)."""
+    entries = _list(_get(m, "symbols", "manifest"), "symbols")
+    symbols: dict[str, Symbol] = {}
+    for i, s in enumerate(entries):
+        p = f"symbols[{i}]"
+        _dict(s, p)
+        name = _str(_get(s, "name", p), f"{p}.name")
+        if not _SYMBOL_NAME_RE.fullmatch(name):
+            _fail(f"{p}.name", f"{name!r} is not an identifier ([A-Za-z_][A-Za-z0-9_.]*)")
+        if name in symbols:
+            _fail(f"{p}.name", f"duplicate symbol name {name!r}")
+        kind = _get(s, "kind", p)
+        if kind not in SYMBOL_KINDS:
+            _fail(f"{p}.kind", f"expected one of {SYMBOL_KINDS}, got {kind!r}")
+        lo = _int(_get(s, "min", p), f"{p}.min", lo=0, hi=_I64_MAX)
+        hi = _int(_get(s, "max", p), f"{p}.max", lo=0, hi=_I64_MAX)
+        if hi < lo:
+            _fail(f"{p}.max", f"{hi} is below min ({lo})")
+        sources = _sources(_get(s, "sources", p), f"{p}.sources")
+        if kind == "input" and not sources:
+            _fail(f"{p}.sources", f"input symbol {name!r} needs at least one source [input_index, dim]")
+        if kind == "data" and sources:
+            _fail(f"{p}.sources", f"data symbol {name!r} must have no sources (a kernel computes its value)")
+        symbols[name] = Symbol(i, name, kind, lo, hi, sources)
+    return symbols
+
+
+def _sources(v, path: str) -> tuple:
+    """A symbol's sources as (input_index, dim) pairs: well-formed and without repeats."""
+    pairs: list[tuple[int, int]] = []
+    for j, src in enumerate(_list(v, path)):
+        sp = f"{path}[{j}]"
+        _list(src, sp)
+        if len(src) != 2:
+            _fail(sp, f"expected [input_index, dim], got a list of {len(src)}")
+        pair = (_int(src[0], f"{sp}[0]", lo=0), _int(src[1], f"{sp}[1]", lo=0))
+        if pair in pairs:
+            _fail(sp, f"duplicate source {list(pair)}")
+        pairs.append(pair)
+    return tuple(pairs)
+
+
+def _table(m: dict, regions: dict, n_symbols: int) -> tuple[list, int]:
+    """Return the slots and the number of table words: 1 + 2*rank per slot, then one per symbol."""
     table = _dict(_get(m, "table", "manifest"), "table")
     nbytes = _int(_get(table, "nbytes", "table"), "table.nbytes", lo=0)
     if nbytes != regions["table"]:
@@ -178,10 +257,30 @@ def _table(m: dict, regions: dict) -> tuple[list, int]:
         spans.append((off, end, p))
         words += 1 + 2 * rank
     _no_overlap(spans, "slot")
-    return slots, words
+    _extents(table, nbytes, n_symbols, spans)
+    return slots, words + n_symbols
 
 
-def _io(m: dict, key: str, role: str, slots: list, io_slots: dict) -> None:
+def _extents(table: dict, nbytes: int, n_symbols: int, slot_spans: list) -> None:
+    """`table.extents`: one int64 word per symbol, inside the table and clear of every slot."""
+    p = "table.extents"
+    ext = _dict(_get(table, "extents", "table"), p)
+    off = _int(_get(ext, "offset", p), f"{p}.offset", lo=0)
+    if off % EXTENTS_ALIGN:
+        _fail(f"{p}.offset", f"{off} is not a multiple of {EXTENTS_ALIGN}")
+    count = _int(_get(ext, "count", p), f"{p}.count", lo=0)
+    if count != n_symbols:
+        _fail(f"{p}.count", f"{count}, but the manifest declares {n_symbols} symbols")
+    end = off + 8 * count
+    if end > nbytes:
+        _fail(p, f"extents bytes [{off}, {end}) exceed the table ({nbytes} bytes)")
+    for s_off, s_end, s_path in slot_spans:
+        if off < s_end and s_off < end:
+            _fail(p, f"extents bytes [{off}, {end}) overlap {s_path} [{s_off}, {s_end})")
+
+
+def _io(m: dict, key: str, role: str, slots: list, io_slots: dict, check_dim) -> list:
+    """Check `inputs` or `outputs`; `check_dim(d, path, index, dim)` checks one dim of a shape."""
     entries = _list(_get(m, key, "manifest"), key)
     names = set()
     for i, e in enumerate(entries):
@@ -192,7 +291,9 @@ def _io(m: dict, key: str, role: str, slots: list, io_slots: dict) -> None:
             _fail(f"{p}.name", f"duplicate {role} name {name!r}")
         names.add(name)
         _dtype(_get(e, "dtype", p), f"{p}.dtype")
-        shape = _shape(_get(e, "shape", p), f"{p}.shape")
+        shape = _list(_get(e, "shape", p), f"{p}.shape")
+        for dim, d in enumerate(shape):
+            check_dim(d, f"{p}.shape[{dim}]", i, dim)
         slot = _int(_get(e, "slot", p), f"{p}.slot")
         if not 0 <= slot < len(slots):
             _fail(f"{p}.slot", f"slot {slot} does not exist (the table has {len(slots)} slots)")
@@ -203,6 +304,48 @@ def _io(m: dict, key: str, role: str, slots: list, io_slots: dict) -> None:
         if slot in io_slots:
             _fail(f"{p}.slot", f"slot {slot} is already used by {io_slots[slot]}")
         io_slots[slot] = p
+    return entries
+
+
+def _input_dim(d, path: str, index: int, dim: int, symbols: dict) -> None:
+    """An input dim is a static size or an input symbol that names this dim among its sources."""
+    if _is_int(d):
+        if d < 0:
+            _fail(path, f"{d} is below the minimum 0")
+        return
+    if not isinstance(d, str):
+        _fail(path, f"expected an int or an input symbol name, got {_type_name(d)}")
+    sym = symbols.get(d)
+    if sym is None:
+        _fail(path, f"{d!r} is not a declared symbol")
+    if sym.kind != "input":
+        _fail(path, f"{d!r} is a {sym.kind} symbol; input dims are ints or input symbols")
+    if (index, dim) not in sym.sources:
+        _fail(path, f"symbol {d!r} does not list [{index}, {dim}] among its sources")
+
+
+def _output_dim(d, path: str, dim: int, symbols: dict) -> None:
+    """An output dim is any shape expression; a data-dependent one only as dim 0, so that the host
+    can compute the strides of the (contiguous) output without knowing the data symbol's value."""
+    check_shape_expr(d, path, symbols)
+    data = sorted(n for n in expr_symbols(d) if symbols[n].kind == "data")
+    if data and dim != 0:
+        _fail(path, f"{format_shape_expr(d)!r} uses data symbol {data[0]!r}, which may only appear "
+                    f"in dim 0 (the host must know the strides), not dim {dim}")
+
+
+def _symbol_sources(symbols: dict, inputs: list) -> None:
+    """Every source of a symbol is an input dim whose shape entry is exactly the symbol's name."""
+    for sym in symbols.values():
+        for j, (i, dim) in enumerate(sym.sources):
+            sp = f"symbols[{sym.index}].sources[{j}]"
+            if i >= len(inputs):
+                _fail(sp, f"input {i} does not exist (there are {len(inputs)} inputs)")
+            shape = inputs[i]["shape"]
+            if dim >= len(shape):
+                _fail(sp, f"dim {dim} is out of range for inputs[{i}] of rank {len(shape)}")
+            if shape[dim] != sym.name:
+                _fail(sp, f"inputs[{i}].shape[{dim}] is {shape[dim]!r}, not the symbol {sym.name!r}")
 
 
 def _weights(m: dict, regions: dict, section_names) -> None:
@@ -299,11 +442,16 @@ def _kernels(m: dict, archs: list, section_names) -> list:
     return kernels
 
 
-def _graphs(m: dict, kernels: list, regions: dict, words: int) -> None:
+def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict) -> None:
+    """One graph per bucket: each names its bounds (`bucket`) and arena size, and its nodes may only
+    touch that much arena, so the runtime can trust any graph it selects with the session arena."""
     graphs = _list(_get(m, "graphs", "manifest"), "graphs")
     if not graphs:
         _fail("graphs", "at least one graph is required")
+    if not symbols and len(graphs) != 1:
+        _fail("graphs", f"a package without symbols has exactly one graph, got {len(graphs)}")
     names = set()
+    seen_buckets: dict[tuple, int] = {}
     for g_i, g in enumerate(graphs):
         gp = f"graphs[{g_i}]"
         _dict(g, gp)
@@ -313,12 +461,44 @@ def _graphs(m: dict, kernels: list, regions: dict, words: int) -> None:
         names.add(name)
         if "stats" in g:
             _dict(g["stats"], f"{gp}.stats")
+        key = _bucket(g, gp, symbols)
+        if key in seen_buckets:
+            _fail(f"{gp}.bucket", f"same input-symbol bounds as graphs[{seen_buckets[key]}] "
+                                  f"({_bucket_text(g['bucket'], symbols)}): it could never be selected")
+        seen_buckets[key] = g_i
+        arena = _int(_get(g, "arena", gp), f"{gp}.arena", lo=0)
+        if arena > regions["arena"]:
+            _fail(f"{gp}.arena", f"{arena} bytes exceed regions.arena ({regions['arena']} bytes)")
+        limits = {**regions, "arena": arena}
         nodes = _list(_get(g, "nodes", gp), f"{gp}.nodes")
         for n_i, node in enumerate(nodes):
-            _node(node, f"{gp}.nodes[{n_i}]", n_i, kernels, regions, words)
+            _node(node, f"{gp}.nodes[{n_i}]", n_i, kernels, limits, words)
+
+
+def _bucket(g: dict, gp: str, symbols: dict) -> tuple:
+    """Check `graphs[i].bucket`; return its input-symbol bounds, the key graph selection uses."""
+    p = f"{gp}.bucket"
+    bucket = _dict(_get(g, "bucket", gp), p)
+    for name in symbols:
+        if name not in bucket:
+            _fail(p, f"missing the bound of symbol {name!r}")
+    for name in bucket:
+        if name not in symbols:
+            _fail(p, f"{name!r} is not a declared symbol")
+    for name, sym in symbols.items():
+        bound = _int(bucket[name], f"{p}.{name}", lo=0, hi=_I64_MAX)
+        if sym.kind == "input" and not sym.min <= bound <= sym.max:
+            _fail(f"{p}.{name}", f"bound {bound} is outside the range [{sym.min}, {sym.max}] "
+                                 f"of symbol {name!r}")
+    return tuple(bucket[name] for name, sym in symbols.items() if sym.kind == "input")
+
+
+def _bucket_text(bucket: dict, symbols: dict) -> str:
+    return ", ".join(f"{n}={bucket[n]}" for n, s in symbols.items() if s.kind == "input")
 
 
 def _node(node, p: str, index: int, kernels: list, regions: dict, words: int) -> None:
+    """`regions` holds the byte limit per region for this graph (its own arena size)."""
     _dict(node, p)
     k = _int(_get(node, "kernel", p), f"{p}.kernel")
     if not 0 <= k < len(kernels):
@@ -354,7 +534,8 @@ def _arg(arg, prm: dict, p: str, regions: dict, words: int) -> None:
             _fail(p, "an argument is either a table word or a region range, not both")
         w = _int(arg["word"], f"{p}.word")
         if not 0 <= w < words:
-            _fail(f"{p}.word", f"table word {w} is out of range (the table has {words} words)")
+            _fail(f"{p}.word", f"table word {w} is out of range (the table has {words} words: "
+                               "slot words, then one per symbol)")
         if ptype not in WORD_PARAM_TYPES:
             _fail(p, f"table word passed to parameter {prm['name']!r} of type {ptype!r} "
                      f"(words need an integer scalar: {'/'.join(WORD_PARAM_TYPES)})")

@@ -1,4 +1,8 @@
-"""The .grace container: round trips, and typed rejection of every kind of bad file (CPU only)."""
+"""The .grace container (format 2.0): round trips, and typed rejection of every kind of bad file.
+
+Two manifests are exercised: a static one (no symbols, one graph) and a shape-bucket one (two input
+symbols and a data symbol, one graph per bucket). CPU only.
+"""
 
 import copy
 import hashlib
@@ -13,9 +17,12 @@ import safetensors
 
 from grace.formats import (FORMAT_VERSION, BadMagicError, ChecksumError, FormatError, ManifestError,
                            Package, TruncatedError, UnsupportedVersionError, decode_weights,
-                           encode_weights, read_package, validate_manifest, write_package)
+                           encode_weights, eval_shape_expr, expr_symbols, format_shape_expr,
+                           read_package, select_graph, validate_manifest, validated_symbols,
+                           write_package)
 from grace.formats.container import ALIGN, HEADER_NBYTES
 from grace.formats.package import pack_package_bytes
+from grace.formats.shapes import MAX_EXPR_DEPTH, check_shape_expr
 
 # ---------------------------------------------------------------------------------------------
 # A minimal valid package: table writer + one kernel, x[2,16] -> out[2,4], two weights (fp32, bf16)
@@ -46,9 +53,11 @@ def make_manifest() -> dict:
         "options": {"opt": 1},
         "inputs": [{"name": "x", "dtype": "float32", "shape": [2, 16], "slot": 0}],
         "outputs": [{"name": "out0", "dtype": "float32", "shape": [2, 4], "slot": 1}],
+        "symbols": [],
         "table": {"nbytes": 96, "slots": [
             {"name": "x", "role": "input", "offset": 0, "rank": 2},
-            {"name": "out0", "role": "output", "offset": 48, "rank": 2}]},
+            {"name": "out0", "role": "output", "offset": 48, "rank": 2}],
+            "extents": {"offset": 88, "count": 0}},
         "regions": {"weights": 512, "arena": 1024, "table": 96},
         "weights": [
             {"name": "fc.weight", "dtype": "float32", "shape": [16, 4], "offset": 0, "nbytes": 256},
@@ -68,6 +77,8 @@ def make_manifest() -> dict:
         ],
         "graphs": [{
             "name": "main",
+            "bucket": {},
+            "arena": 1024,
             "nodes": [
                 {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
                  "args": [{"region": "table", "offset": 0, "nbytes": 96}]
@@ -92,6 +103,80 @@ def make_sections() -> dict:
         "src/k_tw.py": b"import triton\n@triton.jit\ndef k_tw(table_ptr): pass\n",
         "src/k_mm.py": b"import triton\n@triton.jit\ndef k_mm(x_slot): pass\n",
     }
+
+
+# A shape-bucket manifest: x[batch, seq, 16], pos[seq] -> out0[batch, seq + 1, 4], idx[n, 2]
+# (n a data symbol), one graph per bucket of batch {1, 8} x seq {128, 256}.
+DYN_BATCH, DYN_SEQ = (1, 8), (128, 256)
+DYN_WORDS = 7 + 3 + 7 + 5 + 3  # slot words (x rank 3, pos 1, out0 3, idx 2), then 3 symbol words
+DYN_EXT = 200  # extents offset: [200, 224) after the last slot [160, 200)
+
+
+def _dyn_graph(batch: int, seq: int) -> dict:
+    arena = batch * seq * 16 * 4
+
+    def ext():  # the extents words, read by kernels that mask with the true sizes
+        return {"region": "table", "offset": DYN_EXT, "nbytes": 24, "dtype": "int64"}
+
+    def x_slot():  # the whole slot: kernels load the runtime sizes and strides from it
+        return {"region": "table", "offset": 0, "nbytes": 56}
+
+    return {
+        "name": f"batch={batch},seq={seq}",
+        "bucket": {"batch": batch, "seq": seq, "n": batch * seq * 16},
+        "arena": arena,
+        "stats": {"kernels": 3, "est_gpu_us": 2.5, "padding": 0.25},
+        "nodes": [
+            {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
+             "args": [{"region": "table", "offset": 0, "nbytes": 224}]
+             + [{"word": i} for i in range(DYN_WORDS)]},
+            {"kernel": 1, "grid": [max(1, batch * seq // 64), 1, 1], "deps": [0],
+             "args": [x_slot(), ext(),
+                      {"region": "weights", "offset": 0, "nbytes": 256, "dtype": "float32"},
+                      {"region": "table", "offset": 96, "nbytes": 56},
+                      {"region": "arena", "offset": 0, "nbytes": arena, "dtype": "float32"}]},
+            {"kernel": 2, "grid": [batch, 1, 1], "deps": [1],
+             "args": [x_slot(), {"region": "table", "offset": 160, "nbytes": 40}, ext()]},
+        ],
+    }
+
+
+def make_dyn_manifest() -> dict:
+    m = make_manifest()
+    tw_params = [{"name": "table_ptr", "type": "*i64"}] + [
+        {"name": f"w{i}", "type": "i64"} for i in range(DYN_WORDS)]
+    m["kernels"][0]["params"] = tw_params
+    m["kernels"][1]["params"] = [
+        {"name": "x_slot", "type": "*i64"}, {"name": "ext", "type": "*i64"}, {"name": "w", "type": "*fp32"},
+        {"name": "out_slot", "type": "*i64"}, {"name": "tmp", "type": "*fp32"}]
+    m["kernels"].append(
+        {"name": "k_nz", "family": "nonzero",
+         "params": [{"name": "x_slot", "type": "*i64"}, {"name": "idx_slot", "type": "*i64"},
+                    {"name": "ext", "type": "*i64"}],
+         "num_warps": 4, "shared": 0, "binaries": {"sm_90": "cubin/k_nz.sm_90"}})
+    m["options"] = {"buckets": {"batch": list(DYN_BATCH), "seq": list(DYN_SEQ)}}
+    m["symbols"] = [
+        {"name": "batch", "kind": "input", "min": 1, "max": 8, "sources": [[0, 0]]},
+        {"name": "seq", "kind": "input", "min": 1, "max": 256, "sources": [[0, 1], [1, 0]]},
+        {"name": "n", "kind": "data", "min": 0, "max": 8 * 256 * 16, "sources": []},
+    ]
+    m["inputs"] = [{"name": "x", "dtype": "float32", "shape": ["batch", "seq", 16], "slot": 0},
+                   {"name": "pos", "dtype": "int64", "shape": ["seq"], "slot": 1}]
+    m["outputs"] = [{"name": "out0", "dtype": "float32", "shape": ["batch", ["+", "seq", 1], 4], "slot": 2},
+                    {"name": "idx", "dtype": "int64", "shape": ["n", 2], "slot": 3}]
+    m["table"] = {"nbytes": 224, "extents": {"offset": DYN_EXT, "count": 3}, "slots": [
+        {"name": "x", "role": "input", "offset": 0, "rank": 3},
+        {"name": "pos", "role": "input", "offset": 64, "rank": 1},
+        {"name": "out0", "role": "output", "offset": 96, "rank": 3},
+        {"name": "idx", "role": "output", "offset": 160, "rank": 2}]}
+    m["graphs"] = [_dyn_graph(b, q) for b in DYN_BATCH for q in DYN_SEQ]
+    m["regions"] = {"weights": 512, "arena": max(g["arena"] for g in m["graphs"]), "table": 224}
+    m["arena_buffers"] = []
+    return m
+
+
+def make_dyn_sections() -> dict:
+    return {**make_sections(), "cubin/k_nz.sm_90": b"\x7fELF" + bytes(300)}
 
 
 @pytest.fixture
@@ -131,7 +216,7 @@ def test_round_trip_from_file(tmp_path):
     pkg = read_package(path)
     assert isinstance(pkg, Package)
     assert pkg.format_version == FORMAT_VERSION
-    assert pkg.manifest == {**manifest, "format_version": [1, 0]}
+    assert pkg.manifest == {**manifest, "format_version": [2, 0]}
     assert pkg.section_names == list(sections)
     for name, data in sections.items():
         assert bytes(pkg.section(name)) == data
@@ -231,22 +316,36 @@ def test_wrong_magic(pkg_bytes):
         read_package(pkg_bytes[:5])
 
 
-@pytest.mark.parametrize("major", [0, 2, 65535])
+def test_format_version_is_2_0():
+    assert FORMAT_VERSION == (2, 0)
+
+
+@pytest.mark.parametrize("major", [0, 1, 3, 65535])
 def test_unknown_major_version(pkg_bytes, major):
     data = bytearray(pkg_bytes)
     data[8:10] = struct.pack("<H", major)
-    with pytest.raises(UnsupportedVersionError, match=rf"version {major}\.0 .*1\.x, up to 1\.0"):
+    with pytest.raises(UnsupportedVersionError,
+                       match=rf"version {major}\.0 .*2\.x, up to 2\.0\): recompile the model with this grace"):
         read_package(bytes(data))
 
 
+def test_format_1_0_package_is_rejected_with_a_hint():
+    """A package from a 1.x compiler: the message names both versions and says what to do."""
+    data = packed({k: v for k, v in make_manifest().items() if k != "symbols"}, version=(1, 0))
+    with pytest.raises(UnsupportedVersionError) as info:
+        read_package(data)
+    msg = str(info.value)
+    assert "1.0" in msg and "2.x" in msg and "recompile" in msg
+
+
 def test_newer_minor_version_is_accepted():
-    data = packed(make_manifest(), version=(1, 7))
+    data = packed(make_manifest(), version=(2, 7))
     pkg = read_package(data)
-    assert pkg.format_version == (1, 7)
+    assert pkg.format_version == (2, 7)
     # Reserved header fields may carry meaning in a newer minor, so they are ignored there...
     data = bytearray(data)
     data[12:16] = struct.pack("<I", 1)
-    assert read_package(bytes(data)).format_version == (1, 7)
+    assert read_package(bytes(data)).format_version == (2, 7)
     # ... but must be zero in a minor this reader knows.
     data[10:12] = struct.pack("<H", 0)
     with pytest.raises(FormatError, match="reserved"):
@@ -254,7 +353,7 @@ def test_newer_minor_version_is_accepted():
 
 
 def test_manifest_version_must_match_header():
-    data = packed({**make_manifest(), "format_version": [1, 1]}, version=(1, 0))
+    data = packed({**make_manifest(), "format_version": [2, 1]}, version=(2, 0))
     with pytest.raises(ManifestError, match="format_version"):
         read_package(data)
 
@@ -366,14 +465,15 @@ def _set(path, value):
 
 BAD_MANIFESTS = [
     (_set(["graphs", 0, "nodes", 1, "args", 4, "offset"], 1000),
-     r"graphs\[0\]\.nodes\[1\]\.args\[4\]: arena range \[1000, 1032\) exceeds the arena \(1024 bytes\)"),
+     r"graphs\[0\]\.nodes\[1\]\.args\[4\]: arena range \[1000, 1032\) exceeds the graph's arena \(1024 bytes\)"),
     (_set(["graphs", 0, "nodes", 1, "args", 1, "nbytes"], 4096),
      r"args\[1\]: weights range \[0, 4096\) exceeds the weights region \(512 bytes\)"),
     (_set(["graphs", 0, "nodes", 1, "args", 0, "offset"], -8), r"args\[0\]\.offset: -8 is below"),
     (_set(["graphs", 0, "nodes", 1, "args", 0, "region"], "state"), r"args\[0\]\.region"),
     (_set(["graphs", 0, "nodes", 0, "args", 10], {"word": 10}),
-     r"nodes\[0\]\.args\[10\]\.word: table word 10 is out of range \(the table has 10 words\)"),
-    (_set(["graphs", 0, "nodes", 1, "args", 1], {"word": 0}), r"args\[1\]: table word passed to parameter 'w'"),
+     r"nodes\[0\]\.args\[10\]\.word: table word 10 is out of range \(the table has 10 words"),
+    (_set(["graphs", 0, "nodes", 1, "args", 1], {"word": 0}),
+     r"args\[1\]: table word passed to parameter 'w'"),
     (_set(["graphs", 0, "nodes", 0, "args", 1], {"region": "arena", "offset": 0, "nbytes": 8}),
      r"args\[1\]: arena range passed to scalar parameter 'w0'"),
     (lambda m: m["graphs"][0]["nodes"][1]["args"].pop(), r"nodes\[1\]\.args: 4 arguments .* takes 5"),
@@ -382,13 +482,15 @@ BAD_MANIFESTS = [
     (_set(["graphs", 0, "nodes", 1, "grid"], [0, 1, 1]), r"grid\[0\]: 0 is below the minimum 1"),
     (_set(["graphs", 0, "nodes", 1, "grid"], [1, 1]), r"grid: expected 3 dimensions"),
     (_set(["graphs", 0, "nodes", 1, "grid"], [1, 70000, 1]), r"grid\[1\]: 70000 is above"),
-    (_set(["graphs", 0, "nodes", 1, "grid"], [np.int64(2), 1, 1]), r"grid\[0\]: expected an int, got numpy\.int64"),
+    (_set(["graphs", 0, "nodes", 1, "grid"], [np.int64(2), 1, 1]),
+     r"grid\[0\]: expected an int, got numpy\.int64"),
     (_set(["inputs", 0, "slot"], 1), r"inputs\[0\]\.slot: slot 1 has role 'output', expected 'input'"),
     (_set(["inputs", 0, "slot"], 5), r"inputs\[0\]\.slot: slot 5 does not exist"),
     (_set(["inputs", 0, "shape"], [32]), r"inputs\[0\]\.slot: slot 0 has rank 2, but the shape has rank 1"),
     (_set(["table", "slots", 1, "offset"], 40), r"table\.slots\[1\]\.offset: 40 is not 16-aligned"),
     (_set(["table", "slots", 1, "offset"], 32), r"table\.slots\[1\]: slot starting at 32 overlaps"),
-    (_set(["table", "slots", 1, "offset"], 64), r"table\.slots\[1\]: slot bytes \[64, 104\) exceed the table"),
+    (_set(["table", "slots", 1, "offset"], 64),
+     r"table\.slots\[1\]: slot bytes \[64, 104\) exceed the table"),
     (_set(["table", "slots", 0, "role"], "state"), r"table\.slots\[0\]\.role"),
     (_set(["table", "nbytes"], 128), r"table\.nbytes: 128 differs from regions\.table"),
     (_set(["weights", 0, "nbytes"], 128), r"weights\[0\]\.nbytes: 128 bytes, but float32\[16, 4\] needs 256"),
@@ -408,7 +510,7 @@ BAD_MANIFESTS = [
     (lambda m: m.pop("graphs"), r"manifest: missing required key 'graphs'"),
     (lambda m: m["graphs"][0]["nodes"][1].pop("grid"), r"nodes\[1\]: missing required key 'grid'"),
     (_set(["regions", "arena"], "big"), r"regions\.arena: expected an int, got str"),
-    (_set(["format_version"], [2, 0]), r"format_version: major version 2"),
+    (_set(["format_version"], [1, 0]), r"format_version: major version 1 is not 2: recompile"),
 ]
 
 
@@ -430,7 +532,7 @@ def test_validate_manifest_rejects_non_map():
 
 def test_reader_rejects_bad_manifest_written_without_validation():
     m = mutate(_set(["graphs", 0, "nodes", 1, "args", 4, "nbytes"], 2048))
-    with pytest.raises(ManifestError, match=r"args\[4\]: arena range \[0, 2048\) exceeds the arena"):
+    with pytest.raises(ManifestError, match=r"args\[4\]: arena range \[0, 2048\) exceeds the graph's arena"):
         read_package(packed(m))
     with pytest.raises(ManifestError, match=r"inputs\[0\]\.slot"):
         read_package(packed(mutate(_set(["inputs", 0, "slot"], 1))))
@@ -491,13 +593,320 @@ def test_writer_refuses_unencodable_manifest(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Format 2.0: symbols, shape expressions, extents, one graph per bucket
+
+
+def test_dyn_round_trip(tmp_path):
+    manifest, sections = make_dyn_manifest(), make_dyn_sections()
+    path = tmp_path / "dyn.grace"
+    write_package(path, manifest, sections)
+    with read_package(path) as pkg:
+        assert pkg.format_version == (2, 0)
+        assert pkg.manifest == {**manifest, "format_version": [2, 0]}
+        assert [g["bucket"] for g in pkg.manifest["graphs"]] == [
+            {"batch": b, "seq": q, "n": b * q * 16} for b in DYN_BATCH for q in DYN_SEQ]
+        assert pkg.manifest["outputs"][0]["shape"] == ["batch", ["+", "seq", 1], 4]
+        symbols = validated_symbols(pkg.manifest)
+        assert list(symbols) == ["batch", "seq", "n"]
+        assert symbols["seq"].sources == ((0, 1), (1, 0)) and symbols["n"].kind == "data"
+
+
+def test_static_manifest_is_the_special_case():
+    m = make_manifest()
+    assert m["symbols"] == [] and m["table"]["extents"]["count"] == 0
+    assert [g["bucket"] for g in m["graphs"]] == [{}]
+    assert validated_symbols(m) == {}
+
+
+def test_tuples_from_the_compiler_are_accepted(tmp_path):
+    """The writer validates the caller's dict before msgpack turns tuples into lists."""
+    m = make_dyn_manifest()
+    m["symbols"][1]["sources"] = [(0, 1), (1, 0)]
+    m["outputs"][0]["shape"] = ("batch", ("+", "seq", 1), 4)
+    write_package(tmp_path / "t.grace", m, make_dyn_sections())
+    assert read_package(tmp_path / "t.grace").manifest["symbols"][1]["sources"] == [[0, 1], [1, 0]]
+
+
+def test_symbol_words_are_valid_word_arguments():
+    """{word: i} reaches the symbol words too: slot words first, then one per symbol."""
+    m = make_dyn_manifest()
+    assert len(m["graphs"][0]["nodes"][0]["args"]) == 1 + DYN_WORDS
+    validate_manifest(m)
+    m["graphs"][0]["nodes"][0]["args"][-1] = {"word": DYN_WORDS}
+    with pytest.raises(ManifestError, match=rf"args\[{DYN_WORDS}\]\.word: table word {DYN_WORDS} is out "
+                                            rf"of range \(the table has {DYN_WORDS} words"):
+        validate_manifest(m)
+
+
+def test_zero_sized_extents_may_sit_anywhere_in_the_table():
+    for offset in (0, 48, 88, 96):  # inside or at the end of a slot: 0 bytes overlap nothing
+        m = make_manifest()
+        m["table"]["extents"]["offset"] = offset
+        validate_manifest(m)
+
+
+def _dyn(fn):
+    m = make_dyn_manifest()
+    fn(m)
+    return m
+
+
+def _sym(i, key, value):
+    return _set(["symbols", i, key], value)
+
+
+def _add_graph(batch, seq, n):
+    def fn(m):
+        g = _dyn_graph(batch, seq)
+        g["name"] = "extra"
+        g["bucket"]["n"] = n
+        m["graphs"].append(g)
+    return fn
+
+
+def _nest(depth):
+    e = "seq"
+    for _ in range(depth):
+        e = ["+", e, 1]
+    return e
+
+
+BAD_DYN_MANIFESTS = [
+    # symbols
+    (lambda m: m.pop("symbols"), r"manifest: missing required key 'symbols'"),
+    (_set(["symbols"], {}), r"symbols: expected a list, got dict"),
+    (_sym(0, "name", "1batch"), r"symbols\[0\]\.name: '1batch' is not an identifier"),
+    (_sym(0, "name", "a-b"), r"symbols\[0\]\.name: 'a-b' is not an identifier"),
+    (_sym(0, "name", 3), r"symbols\[0\]\.name: expected a str, got int"),
+    (_sym(1, "name", "batch"), r"symbols\[1\]\.name: duplicate symbol name 'batch'"),
+    (_sym(0, "kind", "static"), r"symbols\[0\]\.kind: expected one of \('input', 'data'\), got 'static'"),
+    (_sym(0, "min", -1), r"symbols\[0\]\.min: -1 is below the minimum 0"),
+    (_sym(0, "min", True), r"symbols\[0\]\.min: expected an int, got bool"),
+    (_sym(0, "max", 2**63), r"symbols\[0\]\.max: \d+ is above the maximum"),
+    (_sym(1, "max", 0), r"symbols\[1\]\.max: 0 is below min \(1\)"),
+    (lambda m: m["symbols"][0].pop("sources"), r"symbols\[0\]: missing required key 'sources'"),
+    (_sym(0, "sources", []), r"symbols\[0\]\.sources: input symbol 'batch' needs at least one source"),
+    (_sym(2, "sources", [[0, 0]]), r"symbols\[2\]\.sources: data symbol 'n' must have no sources"),
+    (_sym(1, "sources", [[0, 1], [0]]),
+     r"symbols\[1\]\.sources\[1\]: expected \[input_index, dim\], got a list of 1"),
+    (_sym(1, "sources", [[0, 1], [1, "0"]]), r"symbols\[1\]\.sources\[1\]\[1\]: expected an int, got str"),
+    (_sym(1, "sources", [[0, 1], [0, 1]]), r"symbols\[1\]\.sources\[1\]: duplicate source \[0, 1\]"),
+    (_sym(1, "sources", [[0, 1], [1, 0], [2, 0]]),
+     r"symbols\[1\]\.sources\[2\]: input 2 does not exist \(there are 2 inputs\)"),
+    (_sym(1, "sources", [[0, 1], [1, 0], [1, 3]]),
+     r"symbols\[1\]\.sources\[2\]: dim 3 is out of range for inputs\[1\] of rank 1"),
+    (_sym(1, "sources", [[0, 1], [1, 0], [0, 2]]),
+     r"symbols\[1\]\.sources\[2\]: inputs\[0\]\.shape\[2\] is 16, not the symbol 'seq'"),
+    (_sym(1, "sources", [[0, 1], [1, 0], [0, 0]]),
+     r"symbols\[1\]\.sources\[2\]: inputs\[0\]\.shape\[0\] is 'batch', not the symbol 'seq'"),
+    # input shapes
+    (_set(["inputs", 0, "shape", 0], "batches"),
+     r"inputs\[0\]\.shape\[0\]: 'batches' is not a declared symbol"),
+    (_set(["inputs", 0, "shape", 2], "n"),
+     r"inputs\[0\]\.shape\[2\]: 'n' is a data symbol; input dims are ints or input symbols"),
+    (_set(["inputs", 1, "shape"], ["batch"]),
+     r"inputs\[1\]\.shape\[0\]: symbol 'batch' does not list \[1, 0\] among its sources"),
+    (_set(["inputs", 0, "shape", 2], ["+", "seq", 1]),
+     r"inputs\[0\]\.shape\[2\]: expected an int or an input symbol name, got list"),
+    (_set(["inputs", 0, "shape", 2], -16), r"inputs\[0\]\.shape\[2\]: -16 is below the minimum 0"),
+    (_set(["inputs", 1, "shape"], [12]),
+     r"symbols\[1\]\.sources\[1\]: inputs\[1\]\.shape\[0\] is 12, not the symbol 'seq'"),
+    # output shapes (shape expressions)
+    (_set(["outputs", 0, "shape", 1], ["+", "sequence", 1]),
+     r"outputs\[0\]\.shape\[1\]\[1\]: 'sequence' is not a declared symbol"),
+    (_set(["outputs", 0, "shape", 1], ["%", "seq", 2]),
+     r"outputs\[0\]\.shape\[1\]\[0\]: unknown operator '%'"),
+    (_set(["outputs", 0, "shape", 1], ["+", "seq"]),
+     r"outputs\[0\]\.shape\[1\]: expected \[op, a, b\], got a list of 2"),
+    (_set(["outputs", 0, "shape", 1], ["-", "seq", -1]), r"outputs\[0\]\.shape\[1\]\[2\]: -1 is negative"),
+    (_set(["outputs", 0, "shape", 1], ["*", "seq", True]),
+     r"outputs\[0\]\.shape\[1\]\[2\]: expected an int, a symbol name or \[op, a, b\], got bool"),
+    (_set(["outputs", 0, "shape", 1], 1.5),
+     r"outputs\[0\]\.shape\[1\]: expected an int, a symbol name or \[op, a, b\], got float"),
+    (_set(["outputs", 0, "shape", 1], _nest(MAX_EXPR_DEPTH + 1)),
+     rf"shape expression nests deeper than {MAX_EXPR_DEPTH}"),
+    (_set(["outputs", 1, "shape"], [2, "n"]),
+     r"outputs\[1\]\.shape\[1\]: 'n' uses data symbol 'n', which may only appear in dim 0"),
+    (_set(["outputs", 0, "shape", 2], ["max", "n", 1]),
+     r"outputs\[0\]\.shape\[2\]: 'max\(n, 1\)' uses data symbol 'n'"),
+    # table extents and words
+    (lambda m: m["table"].pop("extents"), r"table: missing required key 'extents'"),
+    (_set(["table", "extents", "offset"], 204), r"table\.extents\.offset: 204 is not a multiple of 8"),
+    (_set(["table", "extents", "count"], 2),
+     r"table\.extents\.count: 2, but the manifest declares 3 symbols"),
+    (_set(["table", "extents", "offset"], 208),
+     r"table\.extents: extents bytes \[208, 232\) exceed the table \(224 bytes\)"),
+    (_set(["table", "extents", "offset"], 184),
+     r"table\.extents: extents bytes \[184, 208\) overlap table\.slots\[3\] \[160, 200\)"),
+    (_set(["table", "extents", "offset"], 48),
+     r"table\.extents: extents bytes \[48, 72\) overlap table\.slots\[0\] \[0, 56\)"),
+    (_set(["graphs", 1, "nodes", 2, "args", 2, "nbytes"], 32),
+     r"graphs\[1\]\.nodes\[2\]\.args\[2\]: table range \[200, 232\) exceeds the table"),
+    # buckets
+    (lambda m: m["graphs"][0].pop("bucket"), r"graphs\[0\]: missing required key 'bucket'"),
+    (lambda m: m["graphs"][2]["bucket"].pop("n"), r"graphs\[2\]\.bucket: missing the bound of symbol 'n'"),
+    (_set(["graphs", 2, "bucket", "heads"], 4), r"graphs\[2\]\.bucket: 'heads' is not a declared symbol"),
+    (_set(["graphs", 1, "bucket", "seq"], 512),
+     r"graphs\[1\]\.bucket\.seq: bound 512 is outside the range \[1, 256\] of symbol 'seq'"),
+    (_set(["graphs", 1, "bucket", "batch"], 0),
+     r"graphs\[1\]\.bucket\.batch: bound 0 is outside the range \[1, 8\]"),
+    (_set(["graphs", 1, "bucket", "n"], -1), r"graphs\[1\]\.bucket\.n: -1 is below the minimum 0"),
+    (_set(["graphs", 1, "bucket", "seq"], "256"), r"graphs\[1\]\.bucket\.seq: expected an int, got str"),
+    (_set(["graphs", 1, "bucket", "seq"], 128),
+     r"graphs\[1\]\.bucket: same input-symbol bounds as graphs\[0\] \(batch=1, seq=128\)"),
+    (_add_graph(8, 256, 5),
+     r"graphs\[4\]\.bucket: same input-symbol bounds as graphs\[3\] \(batch=8, seq=256\)"),
+    # per-graph arena
+    (lambda m: m["graphs"][0].pop("arena"), r"graphs\[0\]: missing required key 'arena'"),
+    (_set(["graphs", 0, "arena"], 10**6),
+     r"graphs\[0\]\.arena: 1000000 bytes exceed regions\.arena \(131072 bytes\)"),
+    (_set(["graphs", 0, "arena"], 4096),
+     r"graphs\[0\]\.nodes\[1\]\.args\[4\]: arena range \[0, 8192\) exceeds the graph's arena \(4096 bytes\)"),
+]
+
+
+@pytest.mark.parametrize("fn, match", BAD_DYN_MANIFESTS)
+def test_validate_dyn_manifest_rejects(fn, match):
+    with pytest.raises(ManifestError, match=match):
+        validate_manifest(_dyn(fn))
+
+
+@pytest.mark.parametrize("fn, match", [
+    (lambda m: m["graphs"].append({**copy.deepcopy(m["graphs"][0]), "name": "second"}),
+     r"graphs: a package without symbols has exactly one graph, got 2"),
+    (_set(["graphs", 0, "bucket"], {"seq": 4}), r"graphs\[0\]\.bucket: 'seq' is not a declared symbol"),
+    (_set(["graphs", 0, "arena"], 2048),
+     r"graphs\[0\]\.arena: 2048 bytes exceed regions\.arena \(1024 bytes\)"),
+    (_set(["table", "extents", "count"], 1),
+     r"table\.extents\.count: 1, but the manifest declares 0 symbols"),
+    (_set(["table", "extents", "offset"], 104),
+     r"table\.extents: extents bytes \[104, 104\) exceed the table"),
+])
+def test_validate_static_manifest_rejects(fn, match):
+    with pytest.raises(ManifestError, match=match):
+        validate_manifest(mutate(fn))
+
+
+def test_reader_rejects_bad_dyn_manifest_written_without_validation():
+    m = _dyn(_set(["graphs", 1, "bucket", "seq"], 512))
+    with pytest.raises(ManifestError, match=r"graphs\[1\]\.bucket\.seq: bound 512"):
+        read_package(packed(m, make_dyn_sections()))
+
+
+def test_dyn_manifest_variants_that_stay_valid():
+    """Rules that are deliberately permissive: expressions everywhere, data bounds free."""
+    validate_manifest(_dyn(_set(["outputs", 0, "shape", 1], ["//", ["*", "seq", "batch"], ["max", 1, "seq"]])))
+    validate_manifest(_dyn(_set(["outputs", 1, "shape", 0], ["min", "n", ["*", "batch", "seq"]])))
+    validate_manifest(_dyn(_set(["outputs", 0, "shape", 1], _nest(MAX_EXPR_DEPTH))))
+    validate_manifest(_dyn(_set(["graphs", 0, "bucket", "n"], 10**9)))  # data bounds: any int >= 0
+    validate_manifest(_dyn(_set(["outputs", 0, "shape", 1], 7)))  # a static output dim
+    validate_manifest(_dyn(_rename_batch("s0.batch_2")))  # dots and digits are identifier-like
+    # ... but a rename must reach every use; a bucket key left behind is caught:
+    with pytest.raises(ManifestError, match=r"graphs\[0\]\.bucket: missing the bound of symbol 'b'"):
+        validate_manifest(_dyn(_rename_batch("b", buckets=False)))
+
+
+def _rename_batch(new: str, buckets: bool = True):
+    def fn(m):
+        m["symbols"][0]["name"] = new
+        m["inputs"][0]["shape"][0] = new
+        m["outputs"][0]["shape"][0] = new
+        for g in m["graphs"] if buckets else []:
+            g["bucket"][new] = g["bucket"].pop("batch")
+    return fn
+
+
+# ---- shape expressions and graph selection (pure functions the runtime imports) ---------------
+
+
+@pytest.mark.parametrize("expr, values, expected", [
+    (7, {}, 7),
+    ("s", {"s": 5}, 5),
+    (["+", "s", 1], {"s": 5}, 6),
+    (["-", "s", 1], {"s": 0}, -1),  # may go negative: the caller decides
+    (["*", "b", "s"], {"b": 3, "s": 5}, 15),
+    (["//", "s", 2], {"s": 7}, 3),
+    (["//", ["-", 0, "s"], 2], {"s": 7}, -4),  # floor division, like torch's FloorDiv
+    (["max", ["-", "s", 4], 0], {"s": 2}, 0),
+    (["min", "n", ["*", "b", "s"]], {"n": 100, "b": 2, "s": 8}, 16),
+    (("+", ("*", "b", "s"), 1), {"b": 2, "s": 3}, 7),  # tuples work too
+])
+def test_eval_shape_expr(expr, values, expected):
+    assert eval_shape_expr(expr, values) == expected
+
+
+def test_eval_shape_expr_errors():
+    with pytest.raises(KeyError):
+        eval_shape_expr(["+", "s", 1], {})
+    with pytest.raises(ZeroDivisionError):
+        eval_shape_expr(["//", 4, "s"], {"s": 0})
+
+
+def test_expr_symbols():
+    assert expr_symbols(3) == set()
+    assert expr_symbols("s") == {"s"}
+    assert expr_symbols(["max", ["*", "b", "s"], ["+", "s", "n"]]) == {"b", "s", "n"}
+
+
+@pytest.mark.parametrize("expr, text", [
+    (4, "4"), ("seq", "seq"),
+    (["+", "seq", 1], "seq + 1"),
+    (["+", ["*", "b", "s"], 1], "b*s + 1"),
+    (["*", ["+", "s", 1], "b"], "(s + 1)*b"),
+    (["-", "s", ["+", "a", 1]], "s - (a + 1)"),
+    (["-", ["-", "s", "a"], 1], "s - a - 1"),
+    (["//", "s", ["*", 2, "b"]], "s//(2*b)"),
+    (["max", ["-", "s", 4], 0], "max(s - 4, 0)"),
+])
+def test_format_shape_expr(expr, text):
+    assert format_shape_expr(expr) == text
+
+
+def test_check_shape_expr_depth_is_bounded():
+    check_shape_expr(_nest(MAX_EXPR_DEPTH), "e", {"seq"})
+    with pytest.raises(ManifestError, match=f"nests deeper than {MAX_EXPR_DEPTH}"):
+        check_shape_expr(_nest(MAX_EXPR_DEPTH + 1), "e", {"seq"})
+    with pytest.raises(ManifestError, match=f"nests deeper than {MAX_EXPR_DEPTH}"):
+        check_shape_expr(_nest(5000), "e", {"seq"})  # no RecursionError on a hostile manifest
+
+
+def test_select_graph_smallest_covering_bucket():
+    graphs = make_dyn_manifest()["graphs"]  # (1,128) (1,256) (8,128) (8,256)
+    inputs = ["batch", "seq"]
+    assert select_graph(graphs, inputs, {"batch": 1, "seq": 1}) == 0
+    assert select_graph(graphs, inputs, {"batch": 1, "seq": 128}) == 0
+    assert select_graph(graphs, inputs, {"batch": 1, "seq": 129}) == 1
+    assert select_graph(graphs, inputs, {"batch": 2, "seq": 100}) == 2
+    assert select_graph(graphs, inputs, {"batch": 8, "seq": 256}) == 3
+    assert select_graph(graphs, inputs, {"batch": 9, "seq": 1}) is None
+    # smallest product of bounds wins, the first one on ties
+    tie = [{"bucket": {"a": 4, "b": 1}}, {"bucket": {"a": 1, "b": 4}}, {"bucket": {"a": 2, "b": 2}}]
+    assert select_graph(tie, ["a", "b"], {"a": 1, "b": 1}) == 0
+    assert select_graph(tie, ["a", "b"], {"a": 2, "b": 1}) == 0
+    assert select_graph(tie, ["a", "b"], {"a": 1, "b": 2}) == 1
+    assert select_graph(tie, ["a", "b"], {"a": 2, "b": 2}) == 2
+    assert select_graph([{"bucket": {}}], [], {}) == 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Fuzzing: only FormatError may escape
 
 
-def test_fuzz_random_byte_mutations(pkg_bytes):
+@pytest.fixture(params=["static", "buckets"])
+def any_pkg_bytes(request, tmp_path) -> bytes:
+    """Both a static package and a shape-bucket one, for the fuzz loops."""
+    path = tmp_path / "m.grace"
+    if request.param == "static":
+        write_package(path, make_manifest(), make_sections())
+    else:
+        write_package(path, make_dyn_manifest(), make_dyn_sections())
+    return path.read_bytes()
+
+
+def test_fuzz_random_byte_mutations(any_pkg_bytes):
     rng = random.Random(1234)
     for _ in range(300):
-        data = bytearray(pkg_bytes)
+        data = bytearray(any_pkg_bytes)
         kind = rng.random()
         if kind < 0.6:
             for _ in range(rng.randint(1, 8)):
@@ -510,11 +919,12 @@ def test_fuzz_random_byte_mutations(pkg_bytes):
         read_only_format_errors(bytes(data))
 
 
-def test_fuzz_manifest_bytes_with_valid_hashes():
+@pytest.mark.parametrize("make", [make_manifest, make_dyn_manifest])
+def test_fuzz_manifest_bytes_with_valid_hashes(make):
     """Mutate the msgpack itself and re-pack, so decoding and validation see the damage."""
     rng = random.Random(99)
-    blob = msgpack.packb({"format_version": [1, 0], **make_manifest()}, use_bin_type=True)
-    sections = make_sections()
+    blob = msgpack.packb({"format_version": [2, 0], **make()}, use_bin_type=True)
+    sections = make_dyn_sections()
     for _ in range(300):
         b = bytearray(blob)
         for _ in range(rng.randint(1, 6)):
@@ -522,14 +932,16 @@ def test_fuzz_manifest_bytes_with_valid_hashes():
         read_only_format_errors(pack_package_bytes(bytes(b), sections))
 
 
-def test_fuzz_manifest_structure():
+@pytest.mark.parametrize("make", [make_manifest, make_dyn_manifest])
+def test_fuzz_manifest_structure(make):
     """Replace random nodes of the manifest tree with values of random types."""
     rng = random.Random(7)
     junk = [None, -1, 0, 2**64 - 1, 1.5, "x", b"\x00", [], {}, [1, 2, 3], {"region": "arena"},
-            {"word": -1}, True, "sm_90", [0, 0, 0]]
-    base = make_manifest()
-    sections = make_sections()
-    for _ in range(300):
+            {"word": -1}, True, "sm_90", [0, 0, 0], "seq", "n", ["+", "seq", 1], ["//", 1, 0],
+            [0, 7], {"seq": 128}, _nest(40)]
+    base = make()
+    sections = make_dyn_sections()
+    for _ in range(600):
         m = copy.deepcopy(base)
         for _ in range(rng.randint(1, 3)):
             obj = m
@@ -542,7 +954,7 @@ def test_fuzz_manifest_structure():
                 if isinstance(child, (dict, list)) and child and rng.random() < 0.7:
                     obj = child
                     continue
-                obj[key] = rng.choice(junk)
+                obj[key] = copy.deepcopy(rng.choice(junk))  # shared junk could form cycles
                 break
         try:
             validate_manifest(m)

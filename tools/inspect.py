@@ -4,7 +4,11 @@
 the keys are documented in docs/inspect.md and are stable within a format major version.
 `render(description, console)` prints that dict as rich tables for people.
 
-Imports numpy-free, torch-free: only rich (for `render`).
+Format 2.0 packages hold one graph per shape bucket: the description lists the symbols (dynamic
+dimensions), the buckets each symbol is split into, and one row per graph with its bounds and
+costs, so the price of the bucket policy (graphs, kernels, padding) is visible without running.
+
+Imports numpy-free, torch-free: only rich (for `render`) and grace.formats' shape-expression text.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import os
 from collections import Counter
 from typing import Any, Mapping
+
+from grace.formats.shapes import format_shape_expr
 
 __all__ = ["describe", "render", "human_bytes"]
 
@@ -75,6 +81,7 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
             }
         )
         word += n
+    extents = _extents(m, first_word=word)
 
     def io(entries):
         return [
@@ -140,6 +147,7 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
 
     graph_list = []
     for g in graphs:
+        stats = g.get("stats", {}) or {}
         nodes = g.get("nodes", []) or []
         fam: Counter = Counter()
         for node in nodes:
@@ -148,13 +156,17 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
         graph_list.append(
             {
                 "name": g.get("name"),
+                "bucket": _jsonable(g.get("bucket", {}) or {}),
+                "arena": g.get("arena"),
+                "kernels": stats.get("kernels") if isinstance(stats, Mapping) else None,
                 "nodes": len(nodes),
                 "unique_kernels": len({n.get("kernel") for n in nodes}),
                 "edges": sum(len(n.get("deps", []) or []) for n in nodes),
                 "families": dict(sorted(fam.items(), key=lambda kv: (-kv[1], str(kv[0])))),
-                "stats": _jsonable(g.get("stats", {}) or {}),
+                "stats": _jsonable(stats),
             }
         )
+    symbols = _symbols(m, graphs)
 
     sections = [
         {"name": name, "offset": off, "nbytes": nbytes, "sha256": sha}
@@ -177,12 +189,71 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
         "options": _jsonable(m.get("options", {}) or {}),
         "inputs": io(m.get("inputs")),
         "outputs": io(m.get("outputs")),
-        "table": {"nbytes": (m.get("table") or {}).get("nbytes"), "words": word, "slots": table_slots},
+        "symbols": symbols,
+        "buckets": _buckets(m, symbols, len(graphs)),
+        "table": {"nbytes": (m.get("table") or {}).get("nbytes"), "words": word + extents["count"],
+                  "slots": table_slots, "extents": extents},
         "memory": memory,
         "kernels": kernel_list,
         "graphs": graph_list,
         "sections": sections,
     }
+
+
+def _extents(m: Mapping, first_word: int) -> dict:
+    """`table.extents` with the index of its first table word (symbol k is word first_word + k)."""
+    ext = (m.get("table") or {}).get("extents") or {}
+    return {"offset": ext.get("offset"), "count": int(ext.get("count", 0) or 0), "first_word": first_word}
+
+
+def _symbols(m: Mapping, graphs: list) -> list[dict]:
+    """One entry per symbol: its range, the input dims it is read from, and the bounds of its
+    buckets as they occur in the graphs (sorted, distinct)."""
+    inputs = m.get("inputs", []) or []
+    out = []
+    for s in m.get("symbols", []) or []:
+        name = s.get("name")
+        sources = []
+        for i, dim in s.get("sources", []) or []:
+            src_name = inputs[i].get("name") if isinstance(i, int) and 0 <= i < len(inputs) else None
+            sources.append({"input": i, "name": src_name, "dim": dim})
+        bounds = sorted({(g.get("bucket") or {}).get(name) for g in graphs} - {None})
+        out.append({"name": name, "kind": s.get("kind"), "min": s.get("min"), "max": s.get("max"),
+                    "sources": sources, "buckets": bounds})
+    return out
+
+
+def _buckets(m: Mapping, symbols: list[dict], n_graphs: int) -> dict:
+    """How the graphs cover the input symbols: per-symbol bucket counts and a one-line summary,
+    plus the compile options that chose them (`options.buckets`, `options.bucket_cost`)."""
+    options = m.get("options") or {}
+    counts = {s["name"]: len(s["buckets"]) for s in symbols if s["kind"] == "input"}
+    data = [s["name"] for s in symbols if s["kind"] == "data"]
+    policy = options.get("buckets") if isinstance(options, Mapping) else None
+    cost = options.get("bucket_cost") if isinstance(options, Mapping) else None
+    return {
+        "graphs": n_graphs,
+        "counts": counts,
+        "summary": _bucket_summary(n_graphs, counts, data),
+        "policy": _jsonable(policy) if isinstance(policy, Mapping) else None,
+        "cost_model": cost if isinstance(cost, str) else None,
+    }
+
+
+def _bucket_summary(n_graphs: int, counts: Mapping[str, int], data: list[str]) -> str:
+    """E.g. "6 graphs = product of buckets: seq 3 × batch 2" or "1 graph (static shapes)"."""
+    noun = "graph" if n_graphs == 1 else "graphs"
+    if not counts and data:
+        return f"{n_graphs} {noun} (no input symbols; data-dependent sizes: {', '.join(data)})"
+    if not counts:
+        return f"{n_graphs} {noun} (static shapes)"
+    factors = " × ".join(f"{name} {n}" for name, n in counts.items())
+    product = 1
+    for n in counts.values():
+        product *= n
+    if product == n_graphs:
+        return f"{n_graphs} {noun} = product of buckets: {factors}"
+    return f"{n_graphs} {noun} (buckets: {factors}; not their full product {product})"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -191,7 +262,25 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
 
 
 def _shape(s) -> str:
-    return "[" + ", ".join(str(d) for d in (s or [])) + "]"
+    """`[batch, seq + 1, 4]`, escaped: rich would take `[batch, ...]` for a markup tag."""
+    from rich.markup import escape
+
+    return escape("[" + ", ".join(format_shape_expr(d) for d in (s or [])) + "]")
+
+
+def _num(v) -> str:
+    """A stats value for a table cell: ints as they are, floats to 4 significant digits."""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bucket_text(bucket: Mapping) -> str:
+    return " ".join(f"{k}={v}" for k, v in bucket.items()) or "-"
 
 
 def render(d: Mapping, console=None) -> None:
@@ -222,6 +311,9 @@ def render(d: Mapping, console=None) -> None:
     hdr.add_row("archs", ", ".join(d.get("archs", [])) or "-")
     if d.get("file_nbytes") is not None:
         hdr.add_row("size", f"{human_bytes(d['file_nbytes'])} ({d['file_nbytes']} bytes)")
+    buckets = d.get("buckets") or {}
+    if buckets.get("summary"):
+        hdr.add_row("graphs", buckets["summary"])
     console.print(hdr)
     console.print()
 
@@ -231,6 +323,8 @@ def render(d: Mapping, console=None) -> None:
         for e in d.get(kind, []):
             t.add_row(kind[:-1], str(e["name"]), str(e["dtype"]), _shape(e["shape"]), str(e["slot"]))
     console.print(t)
+
+    _render_symbols(console, d, table)
 
     # argument table
     tab = d.get("table", {})
@@ -242,15 +336,21 @@ def render(d: Mapping, console=None) -> None:
         first, n = s["first_word"], s["words"]
         t.add_row(str(s["slot"]), str(s["name"]), str(s["role"]), str(s["offset"]), str(s["rank"]),
                   f"{n} (w{first}..w{first + n - 1})")
+    ext = tab.get("extents") or {}
+    if ext.get("count"):
+        first, n = ext["first_word"], ext["count"]
+        t.add_row("-", "extents", "symbols", str(ext["offset"]), "-", f"{n} (w{first}..w{first + n - 1})")
     console.print(t)
 
     # memory plan
     mem = d.get("memory", {})
     t = table("memory plan", "region", ">size", ">bytes", "contents")
     w, ab = mem.get("weights", {}), mem.get("arena_buffers", {})
+    n_graphs = len(d.get("graphs", []))
     notes = {
         "weights": f"{w.get('count', 0)} tensors",
-        "arena": f"{ab.get('count', 0)} buffers ({human_bytes(ab.get('nbytes', 0))} before reuse)",
+        "arena": f"{ab.get('count', 0)} buffers ({human_bytes(ab.get('nbytes', 0))} before reuse)"
+                 + (f"; the largest of {n_graphs} graphs, one arena per session" if n_graphs > 1 else ""),
         "table": f"{len(tab.get('slots', []))} slots",
     }
     for name, nbytes in mem.get("regions", {}).items():
@@ -274,19 +374,95 @@ def render(d: Mapping, console=None) -> None:
                   str(k["num_stages"]), human_bytes(k["shared"] or 0), ",".join(k["archs"]), sha or "-", str(k["nodes"]))
     console.print(t)
 
-    # graphs
-    for g in d.get("graphs", []):
-        console.print(f"[bold]graph {g['name']!r}[/bold]: {g['nodes']} nodes, {g['unique_kernels']} unique kernels, "
-                      f"{g['edges']} dependency edges", highlight=False)
-        t = table(None, "family", ">nodes")
-        for fam, n in g.get("families", {}).items():
-            t.add_row(str(fam), str(n))
-        console.print(t)
-        if g.get("stats"):
-            st = Table.grid(padding=(0, 2))
-            st.add_column(style="cyan")
-            st.add_column()
-            for k, v in g["stats"].items():
-                st.add_row(f"  {k}", str(v))
-            console.print(st)
-            console.print()
+    _render_graphs(console, d, table)
+
+
+def _render_symbols(console, d: Mapping, table) -> None:
+    """The symbols (dynamic dimensions) and the bucket policy; nothing for a static package."""
+    from rich.markup import escape
+
+    symbols = d.get("symbols") or []
+    if not symbols:
+        return
+    t = table(f"symbols ({len(symbols)})", "name", "kind", "range", "sources", "buckets (graph bounds)")
+    for s in symbols:
+        sources = escape(", ".join(f"{src['name'] if src['name'] is not None else src['input']}[{src['dim']}]"
+                                   for src in s.get("sources", []))) or "(computed on the device)"
+        bounds = ", ".join(str(b) for b in s.get("buckets", []))
+        t.add_row(str(s["name"]), str(s["kind"]), f"{s['min']}..{s['max']}", sources, bounds or "-")
+    console.print(t)
+    buckets = d.get("buckets") or {}
+    if buckets.get("policy"):
+        policy = "; ".join(f"{name}: {', '.join(str(b) for b in bounds) if isinstance(bounds, list) else bounds}"
+                           for name, bounds in buckets["policy"].items())
+        console.print(f"[bold]bucket policy[/bold] (options.buckets): {policy}", highlight=False)
+    if buckets.get("cost_model"):
+        console.print(f"[bold]bucket cost model[/bold] (options.bucket_cost): {buckets['cost_model']}",
+                      highlight=False)
+    if buckets.get("policy") or buckets.get("cost_model"):
+        console.print()
+
+
+def _render_graphs(console, d: Mapping, table) -> None:
+    """One row per graph (bucket) with its costs, then the kernel families.
+
+    The numeric `stats` keys are shown whichever are present: the compiler adds estimates over
+    time (`est_*`, `padding`, ...), and inspect should not need a release for each of them.
+    """
+    from rich.markup import escape
+
+    graphs = d.get("graphs", [])
+    stat_keys: list[str] = []
+    for g in graphs:
+        for k, v in (g.get("stats") or {}).items():
+            if k != "kernels" and _is_number(v) and k not in stat_keys:
+                stat_keys.append(k)
+    title = f"graphs, one per bucket ({len(graphs)})" if len(graphs) > 1 else "graphs (1)"
+    t = table(title, "graph", "bucket", ">kernels", ">unique kernels", ">arena", *(">" + k for k in stat_keys))
+    for g in graphs:
+        stats = g.get("stats") or {}
+        arena = g.get("arena")
+        t.add_row(escape(str(g["name"])), _bucket_text(g.get("bucket") or {}),
+                  _num(g["kernels"]) if g.get("kernels") is not None else "-",
+                  str(g["unique_kernels"]), human_bytes(arena) if _is_number(arena) else "-",
+                  *(_num(stats[k]) if _is_number(stats.get(k)) else "-" for k in stat_keys))
+    console.print(t)
+    if len(graphs) == 1:
+        _render_graph_detail(console, graphs[0], table)
+    elif graphs:
+        _render_families(console, graphs, table)
+
+
+def _render_graph_detail(console, g: Mapping, table) -> None:
+    """A single graph (static package): its families and its whole `stats` map."""
+    from rich.table import Table
+
+    console.print(f"[bold]graph {g['name']!r}[/bold]: {g['nodes']} nodes, {g['unique_kernels']} unique kernels, "
+                  f"{g['edges']} dependency edges", highlight=False)
+    t = table(None, "family", ">nodes")
+    for fam, n in g.get("families", {}).items():
+        t.add_row(str(fam), str(n))
+    console.print(t)
+    if g.get("stats"):
+        st = Table.grid(padding=(0, 2))
+        st.add_column(style="cyan")
+        st.add_column()
+        for k, v in g["stats"].items():
+            st.add_row(f"  {k}", str(v))
+        console.print(st)
+        console.print()
+
+
+def _render_families(console, graphs: list, table) -> None:
+    """Nodes per kernel family over all graphs, as a range when the buckets differ."""
+    families: dict[str, list[int]] = {}
+    for g in graphs:
+        for fam in g.get("families", {}):
+            families.setdefault(fam, [])
+    for fam, counts in families.items():
+        counts.extend(g.get("families", {}).get(fam, 0) for g in graphs)
+    t = table("kernel families", "family", ">nodes per graph")
+    for fam, counts in sorted(families.items(), key=lambda kv: (-max(kv[1]), str(kv[0]))):
+        lo, hi = min(counts), max(counts)
+        t.add_row(str(fam), str(lo) if lo == hi else f"{lo}..{hi}")
+    console.print(t)

@@ -1,0 +1,231 @@
+"""`grace inspect` on format 2.0 packages: symbols, buckets and one row per graph (CPU only).
+
+The packages are built by hand with `grace.formats.write_package` and dummy cubin bytes: inspect
+reads the manifest and the section index, it never loads a binary.
+
+    x[batch, seq, 8] ──k_ln──▶ arena ──k_proj──▶ out[batch, seq, 8]
+    symbols: seq (input, 1..512, buckets 128/256/512), batch (input, 1..4, buckets 2/4)
+    6 graphs = 3 seq buckets × 2 batch buckets
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+from grace.formats import read_package, write_package
+from grace.tools.inspect import describe, render
+
+SEQ, BATCH = (128, 256, 512), (2, 4)
+SLOT_WORDS = 7 + 7  # x and out, rank 3 each
+EXT_OFFSET = 128  # the symbol words, after the slots x [0, 56) and out [64, 120)
+ARCH = "sm_90"
+
+
+def _kernel(name: str, family: str, params: list[tuple[str, str]]) -> dict:
+    return {"name": name, "family": family, "params": [{"name": n, "type": t} for n, t in params],
+            "num_warps": 4, "num_stages": 2, "shared": 0, "binaries": {ARCH: f"cubin/{name}.{ARCH}"}}
+
+
+def _graph(seq: int, batch: int, n_symbols: int, words: int, ext_offset: int, stats: dict) -> dict:
+    arena = seq * batch * 8 * 4
+    ext = {"region": "table", "offset": ext_offset, "nbytes": 8 * n_symbols, "dtype": "int64"}
+    return {
+        "name": f"seq={seq},batch={batch}",
+        "bucket": {"seq": seq, "batch": batch},
+        "arena": arena,
+        "stats": stats,
+        "nodes": [
+            {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
+             "args": [{"region": "table", "offset": 0, "nbytes": ext_offset + 8 * n_symbols}]
+             + [{"word": i} for i in range(words)]},
+            {"kernel": 1, "grid": [seq * batch // 64, 1, 1], "deps": [0],
+             "args": [{"region": "table", "offset": 0, "nbytes": 56}, dict(ext),
+                      {"region": "arena", "offset": 0, "nbytes": arena, "dtype": "float32"}]},
+            {"kernel": 2, "grid": [seq * batch // 128, 1, 1], "deps": [1],
+             "args": [{"region": "arena", "offset": 0, "nbytes": arena, "dtype": "float32"},
+                      {"region": "table", "offset": 64, "nbytes": 56}, dict(ext)]},
+        ],
+    }
+
+
+def bucket_manifest(graphs=None) -> dict:
+    """2 input symbols × buckets; `graphs` restricts the (seq, batch) pairs that get a graph."""
+    pairs = graphs if graphs is not None else [(s, b) for s in SEQ for b in BATCH]
+    ext_offset, n_symbols = EXT_OFFSET, 2
+    words = SLOT_WORDS + n_symbols
+    graph_list = []
+    for i, (s, b) in enumerate(pairs):
+        stats = {"kernels": 2, "est_gpu_us": 1.5 * s * b / 256, "padding": round(1 - 100 / s, 3),
+                 "note": "text stats are not columns"}
+        if i == 0:
+            stats["est_flops"] = 12345  # a key only some graphs have
+        graph_list.append(_graph(s, b, n_symbols, words, ext_offset, stats))
+    return {
+        "producer": {"grace": "0.1.0", "torch": "2.13.0", "triton": "3.6.0"},
+        "model": {"name": "buckets"},
+        "archs": [ARCH],
+        "options": {"buckets": {"seq": list(SEQ), "batch": list(BATCH)},
+                    "bucket_cost": "est_gpu_us weighted by a uniform size distribution"},
+        "symbols": [
+            {"name": "seq", "kind": "input", "min": 1, "max": 512, "sources": [[0, 1]]},
+            {"name": "batch", "kind": "input", "min": 1, "max": 4, "sources": [[0, 0]]},
+        ],
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["batch", "seq", 8], "slot": 0}],
+        "outputs": [{"name": "out", "dtype": "float32", "shape": ["batch", ["+", "seq", 0], 8], "slot": 1}],
+        "table": {"nbytes": ext_offset + 8 * n_symbols,
+                  "extents": {"offset": ext_offset, "count": n_symbols},
+                  "slots": [{"name": "x", "role": "input", "offset": 0, "rank": 3},
+                            {"name": "out", "role": "output", "offset": 64, "rank": 3}]},
+        "regions": {"weights": 0, "arena": max(g["arena"] for g in graph_list),
+                    "table": ext_offset + 8 * n_symbols},
+        "weights": [],
+        "kernels": [
+            _kernel("table_writer", "table_writer",
+                    [("table", "*i64")] + [(f"w{i}", "i64") for i in range(words)]),
+            _kernel("k_ln", "layer_norm", [("x_slot", "*i64"), ("ext", "*i64"), ("y", "*fp32")]),
+            _kernel("k_proj", "gemm", [("y", "*fp32"), ("out_slot", "*i64"), ("ext", "*i64")]),
+        ],
+        "graphs": graph_list,
+    }
+
+
+def static_manifest() -> dict:
+    m = bucket_manifest(graphs=[(128, 2)])
+    m["symbols"] = []
+    m["options"] = {}
+    m["inputs"][0]["shape"] = [2, 128, 8]
+    m["outputs"][0]["shape"] = [2, 128, 8]
+    m["table"]["extents"]["count"] = 0
+    words = SLOT_WORDS
+    m["kernels"][0]["params"] = m["kernels"][0]["params"][:1 + words]
+    g = m["graphs"][0]
+    g["name"], g["bucket"] = "main", {}
+    g["nodes"][0]["args"] = g["nodes"][0]["args"][:1 + words]
+    for node in g["nodes"][1:]:
+        for arg in node["args"]:
+            if arg.get("offset") == EXT_OFFSET and arg.get("region") == "table":
+                arg["nbytes"] = 0
+    return m
+
+
+def _sections(m: dict) -> dict:
+    return {sec: b"\x7fELF not a real cubin" for k in m["kernels"] for sec in k["binaries"].values()}
+
+
+def _describe(tmp_path, m: dict) -> dict:
+    path = tmp_path / "m.grace"
+    write_package(path, m, _sections(m))
+    with read_package(path) as pkg:
+        return describe(pkg)
+
+
+def _render_text(d: dict) -> str:
+    console = Console(record=True, width=200, color_system=None)
+    render(d, console)
+    return console.export_text()
+
+
+@pytest.fixture
+def desc(tmp_path) -> dict:
+    return _describe(tmp_path, bucket_manifest())
+
+
+def test_describe_symbols(desc):
+    assert desc["format_version"] == [2, 0]
+    assert desc["symbols"] == [
+        {"name": "seq", "kind": "input", "min": 1, "max": 512,
+         "sources": [{"input": 0, "name": "x", "dim": 1}], "buckets": [128, 256, 512]},
+        {"name": "batch", "kind": "input", "min": 1, "max": 4,
+         "sources": [{"input": 0, "name": "x", "dim": 0}], "buckets": [2, 4]},
+    ]
+
+
+def test_describe_buckets_summary_and_policy(desc):
+    b = desc["buckets"]
+    assert b["graphs"] == 6 and b["counts"] == {"seq": 3, "batch": 2}
+    assert b["summary"] == "6 graphs = product of buckets: seq 3 × batch 2"
+    assert b["policy"] == {"seq": [128, 256, 512], "batch": [2, 4]}
+    assert b["cost_model"].startswith("est_gpu_us")
+
+
+def test_describe_graphs_and_table(desc):
+    graphs = desc["graphs"]
+    assert [g["bucket"] for g in graphs] == [{"seq": s, "batch": b} for s in SEQ for b in BATCH]
+    assert [g["arena"] for g in graphs] == [s * b * 32 for s in SEQ for b in BATCH]
+    assert {g["kernels"] for g in graphs} == {2} and {g["unique_kernels"] for g in graphs} == {3}
+    assert graphs[0]["stats"]["est_flops"] == 12345
+    assert desc["table"]["words"] == SLOT_WORDS + 2
+    assert desc["table"]["extents"] == {"offset": EXT_OFFSET, "count": 2, "first_word": SLOT_WORDS}
+    assert desc["kernels"][1]["nodes"] == 6  # counted over all graphs
+    json.dumps(desc)  # everything is JSON-able
+
+
+def test_render_buckets(desc):
+    text = _render_text(desc)
+    assert "graphs    6 graphs = product of buckets: seq 3 × batch 2" in text
+    assert "symbols (2)" in text
+    for row in ("seq     input   1..512   x[1]", "batch   input   1..4     x[0]"):
+        assert row in text, row
+    assert "bucket policy (options.buckets): seq: 128, 256, 512; batch: 2, 4" in text
+    assert "bucket cost model (options.bucket_cost): est_gpu_us weighted" in text
+    assert "[batch, seq + 0, 8]" in text  # shape expressions, not eaten as rich markup
+    assert "extents" in text and "(w14..w15)" in text
+    assert "graphs, one per bucket (6)" in text
+    header = next(line for line in text.splitlines() if "unique kernels" in line)
+    for col in ("graph", "bucket", "kernels", "arena", "est_gpu_us", "padding", "est_flops"):
+        assert col in header, col
+    assert "note" not in header  # non-numeric stats are not columns
+    rows = [line for line in text.splitlines() if line.strip().startswith("seq=")]
+    assert len(rows) == 6
+    assert "seq=512 batch=4" in rows[-1] and "64.00 KiB" in rows[-1]
+    assert rows[0].rstrip().endswith("12345") and rows[1].rstrip().endswith("-")
+    assert "kernel families" in text and "layer_norm" in text
+
+
+def test_partial_product_is_reported(tmp_path):
+    d = _describe(tmp_path, bucket_manifest(graphs=[(128, 2), (256, 2), (512, 2), (512, 4)]))
+    assert d["buckets"]["summary"] == "4 graphs (buckets: seq 3 × batch 2; not their full product 6)"
+
+
+def test_data_symbol_only_package(tmp_path):
+    """No input symbols, one data symbol: one graph, but not a 'static shapes' one."""
+    m = static_manifest()
+    m["symbols"] = [{"name": "n", "kind": "data", "min": 0, "max": 256, "sources": []}]
+    m["outputs"][0]["shape"] = ["n", 128, 8]
+    m["table"]["extents"]["count"] = 1
+    m["table"]["nbytes"] = m["regions"]["table"] = EXT_OFFSET + 8
+    m["kernels"][0]["params"].append({"name": f"w{SLOT_WORDS}", "type": "i64"})
+    g = m["graphs"][0]
+    g["bucket"] = {"n": 256}
+    g["nodes"][0]["args"].append({"word": SLOT_WORDS})
+    g["nodes"][0]["args"][0]["nbytes"] = EXT_OFFSET + 8
+    d = _describe(tmp_path, m)
+    assert d["buckets"]["summary"] == "1 graph (no input symbols; data-dependent sizes: n)"
+    assert d["symbols"][0]["sources"] == [] and d["symbols"][0]["buckets"] == [256]
+    text = _render_text(d)
+    assert "(computed on the device)" in text and "[n, 128, 8]" in text
+
+
+def test_no_policy_lines_without_options(tmp_path):
+    m = bucket_manifest()
+    m["options"] = {"fp32_matmul": "tf32x3"}
+    d = _describe(tmp_path, m)
+    assert d["buckets"]["policy"] is None and d["buckets"]["cost_model"] is None
+    text = _render_text(d)
+    assert "bucket policy" not in text and "cost model" not in text
+    assert "symbols (2)" in text
+
+
+def test_static_package(tmp_path):
+    d = _describe(tmp_path, static_manifest())
+    assert d["symbols"] == [] and d["buckets"]["summary"] == "1 graph (static shapes)"
+    assert d["table"]["extents"]["count"] == 0 and d["table"]["words"] == SLOT_WORDS
+    assert d["graphs"][0]["bucket"] == {}
+    text = _render_text(d)
+    assert "1 graph (static shapes)" in text
+    assert "symbols (" not in text and "extents" not in text and "bucket policy" not in text
+    assert "graph 'main': 3 nodes, 3 unique kernels, 2 dependency edges" in text
+    assert "[2, 128, 8]" in text
