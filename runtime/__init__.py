@@ -1,18 +1,24 @@
 """grace.runtime: run `.grace` packages on a GPU with CUDA Graphs. numpy and cuda-python only.
 
     pkg = grace.runtime.load("model.grace", device=0)   # read + validate, load kernels, upload weights
-    sess = pkg.session()                                 # arena, table, outputs, stream, graph
+    sess = pkg.session()                                 # arena, table, outputs, stream, graphs
     out = sess.run(x=tensor)["out0"]                     # one graph launch; out is a DeviceArray
     y = torch.from_dlpack(out)  /  out.numpy()
 
+A package holds one graph per shape bucket (format 2.0, docs/design-buckets.md); each call picks the
+smallest bucket that fits the input sizes and launches that graph with the true sizes in the table.
+
 The lifecycle, module by module:
-    package.load      read (grace.formats: hashes, schema) -> validate (graph.plan_graph: every kernel
-                      argument inside its region, table consistent) -> device (driver: cuInit, primary
-                      context, arch) -> kernels (cuModuleLoadData) -> weights (one allocation, uploaded)
-    Package.session   allocate (arena, table, output buffers) -> build graph (graph.ExecutableGraph:
-                      one kernel node per manifest node, explicit, no capture) -> instantiate
-    Session.run       validate inputs (validate.check_array, before any launch) -> table words into
-                      the table-writer node (SetParams) -> cuGraphLaunch -> DeviceArrays (arrays)
+    package.load      read (grace.formats: hashes, schema) -> validate (shapes.ShapePlan: symbols,
+                      buckets, shape expressions; graph.plan_graph per graph: every kernel argument
+                      inside its region, table consistent) -> device (driver: cuInit, primary context,
+                      arch) -> kernels (cuModuleLoadData) -> weights (one allocation, uploaded)
+    Package.session   allocate (arena, table, output buffers for the largest bucket) -> graphs
+                      (graph.ExecutableGraph: one kernel node per manifest node, explicit, no capture),
+                      instantiated on first use or eagerly (load(..., instantiate="eager"))
+    Session.run       validate inputs (validate.check_array, shapes: symbols, ranges, graph choice;
+                      all before any launch) -> table words into the chosen graph's table-writer node
+                      (SetParams) -> cuGraphLaunch -> DeviceArrays with the true shapes (arrays)
 
 Importing this package never imports torch, triton, or the CUDA driver; the driver is loaded by the
 first load(). Without a GPU, load() raises NoDeviceError; use `grace run --interpret` instead.

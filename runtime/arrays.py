@@ -12,7 +12,9 @@ In: `as_record(obj, what, stream)` turns whatever the caller passed into an Arra
 
 Out: DeviceArray, a view of session memory exposing both protocols and `.numpy()`. Every run()
 rewrites the session's output buffers, so an array from an earlier run() is *stale*: any use of it
-raises StaleOutputError instead of returning the newer data.
+raises StaleOutputError instead of returning the newer data. An output whose dim 0 is a data symbol
+(computed on the device) gets its shape lazily: the first use of .shape, .numpy() or a protocol calls
+the session back to read the symbol from the device table.
 """
 
 from __future__ import annotations
@@ -35,13 +37,21 @@ class DeviceArray:
     A tensor imported through a protocol (torch.from_dlpack(out)) shares this memory: it keeps the
     session from being garbage-collected, but it is *not* checked for staleness (the next run()
     overwrites it) and it dangles once the session is close()d. Clone it to keep the values.
+
+    An output whose dim 0 is data-dependent learns its shape on first use (.shape, .numpy(), a
+    protocol): the session reads the size from the device, waiting for the run to finish.
     """
 
-    __slots__ = ("_ptr", "_shape", "_dtype", "_device", "_owner", "_generation", "_name", "__weakref__")
+    __slots__ = ("_ptr", "_shape", "_shape_fn", "_dtype", "_device", "_owner", "_generation", "_name",
+                 "__weakref__")
 
-    def __init__(self, ptr: int, shape, dtype: str, device: int = 0, owner=None, name: str = "array"):
+    def __init__(self, ptr: int, shape, dtype: str, device: int = 0, owner=None, name: str = "array",
+                 shape_fn=None):
+        """`shape` None with `shape_fn`: the shape is `shape_fn()`, called once, on first use (after
+        the staleness check, so it still sees the run that produced this array)."""
         self._ptr = int(ptr)
-        self._shape = tuple(shape)
+        self._shape = None if shape is None else tuple(shape)
+        self._shape_fn = shape_fn
         self._dtype = dtype
         self._device = device
         self._owner = owner  # a Session (or None): supplies _generation, _closed and stream hooks
@@ -66,6 +76,8 @@ class DeviceArray:
     @property
     def shape(self) -> tuple:
         self._check()
+        if self._shape is None:
+            self._shape = tuple(self._shape_fn())
         return self._shape
 
     @property
@@ -102,15 +114,15 @@ class DeviceArray:
         stale = ""
         if self._owner is not None and self._owner._generation != self._generation:
             stale = ", stale"
-        return (f"DeviceArray({self._name!r}, shape={list(self._shape)}, dtype={self._dtype}, "
-                f"cuda:{self._device}{stale})")
+        shape = "unread (data-dependent)" if self._shape is None else list(self._shape)
+        return (f"DeviceArray({self._name!r}, shape={shape}, dtype={self._dtype}, cuda:{self._device}{stale})")
 
     # --- copies
     def numpy(self) -> np.ndarray:
         """Copy to a new host array (waits for the run that produced it). bfloat16 -> float32."""
-        self._check()
+        shape = self.shape  # checks staleness
         bf16 = self._dtype == "bfloat16"
-        host = np.empty(self._shape, dtype=np.uint16 if bf16 else np.dtype(self._dtype))
+        host = np.empty(shape, dtype=np.uint16 if bf16 else np.dtype(self._dtype))
         if self._owner is not None:
             self._owner._to_host(host.ctypes.data, self._ptr, host.nbytes)
         else:
@@ -122,9 +134,9 @@ class DeviceArray:
     # --- protocols
     @property
     def __cuda_array_interface__(self) -> dict:
-        self._check()
+        shape = self.shape  # checks staleness
         stream = self._owner._cai_stream if self._owner is not None else None
-        return {"shape": self._shape, "typestr": dtypes.typestr(self._dtype), "data": (self._ptr, False),
+        return {"shape": shape, "typestr": dtypes.typestr(self._dtype), "data": (self._ptr, False),
                 "strides": None, "version": 3, "stream": stream}
 
     def __dlpack_device__(self) -> tuple:
@@ -134,14 +146,14 @@ class DeviceArray:
         """A legacy "dltensor" capsule (allowed for any max_version). `stream` is the consumer's
         stream (None or 1: legacy default, 2: per-thread default, -1: no synchronisation); the
         consumer's later work on it is ordered after the run that produced this array."""
-        self._check()
+        shape = self.shape  # checks staleness
         if copy:
             raise BufferError("DeviceArray.__dlpack__ cannot copy; use copy=None or copy=False")
         if dl_device is not None and tuple(dl_device) != (dlpack.KDL_CUDA, self._device):
             raise BufferError(f"DeviceArray lives on cuda:{self._device}, not DLPack device {tuple(dl_device)}")
         if self._owner is not None and stream != -1:
             self._owner._order_consumer(1 if stream is None else stream)
-        return dlpack.export_capsule(self._ptr, self._shape, dtypes.itemsize(self._dtype),
+        return dlpack.export_capsule(self._ptr, shape, dtypes.itemsize(self._dtype),
                                      dtypes.dlpack_code(self._dtype), (dlpack.KDL_CUDA, self._device), self)
 
 
@@ -151,8 +163,7 @@ def as_record(obj, what: str, dlpack_stream: int) -> ArrayRecord:
     """Describe `obj` (see the module docstring for the order of preference). `what` names the
     argument in errors ("input 'x'"); `dlpack_stream` is the stream the data will be read on."""
     if isinstance(obj, DeviceArray):
-        obj._check()
-        return ArrayRecord(obj._ptr, obj._shape, None, obj._dtype, obj._device, owner=obj._owner)
+        return ArrayRecord(obj.ptr, obj.shape, None, obj._dtype, obj._device, owner=obj._owner)
     if isinstance(obj, np.ndarray):
         return _from_numpy(obj, what)
     module = type(obj).__module__

@@ -1,11 +1,13 @@
-"""The package's CUDA graph, built node by node from the manifest (no stream capture).
+"""The package's CUDA graphs, built node by node from the manifest (no stream capture).
 
-    plan_graph(manifest)             pure; run by load(). Checks graphs[0] against kernels, regions and
+    plan_graph(manifest, i)          pure; run by load() for every graph. Checks graphs[i] against
+                                     kernels, regions (the arena as far as this graph's `arena`) and
                                      the table, and turns every node into a NodePlan.
     param_values(plan, bases, words) pure; the 8-byte value of each kernel parameter of one node.
     ExecutableGraph(plans, ...)      driver; cuGraphCreate, cuGraphAddKernelNode per node,
-                                     cuGraphInstantiate. Per call: cuGraphExecKernelNodeSetParams on
-                                     the nodes that take table words (the table writer), cuGraphLaunch.
+                                     cuGraphInstantiate. Per call, launch(words): the table words go
+                                     into the parameter cells of the nodes that take them (the table
+                                     writer), one cuGraphExecKernelNodeSetParams each, cuGraphLaunch.
 
 Kernel parameters. Kernel ABI (docs/architecture.md): the kernel's declared parameters, then
 `hidden_params` null pointers (Triton 3.6: global and profile scratch). Region arguments become
@@ -17,7 +19,8 @@ already built `void**` (cuda/bindings/_lib/utils.pxi, `_HelperKernelParams`: "us
 configured void** address"). So each node owns a ParamBlock: one 8-byte cell per parameter (pointers
 and i64 words alike; a 4-byte int would read the low half, little-endian) and a `void*[]` pointing at
 the cells. The driver copies the values when a node is added and on every SetParams, so the table
-writer's cells are simply rewritten in place before each call, with no Python objects rebuilt.
+writer's cells are simply rewritten in place before each call (slice assignments, precomputed as
+runs of consecutive words), with no Python objects rebuilt.
 """
 
 from __future__ import annotations
@@ -50,7 +53,21 @@ class NodePlan:
 
 
 def table_word_count(manifest) -> int:
-    return sum(1 + 2 * slot["rank"] for slot in manifest["table"]["slots"])
+    """Slot words (1 + 2*rank per slot), then one word per symbol."""
+    return sum(1 + 2 * slot["rank"] for slot in manifest["table"]["slots"]) + len(manifest["symbols"])
+
+
+def graph_regions(manifest, graph_index: int) -> dict:
+    """The bytes of each region graph `graph_index` may touch: its own `arena` (the arena region is
+    the largest of them, shared by all graphs of a session), the whole weights and table."""
+    regions = dict(manifest["regions"])
+    graph = manifest["graphs"][graph_index]
+    arena = graph["arena"]
+    if not 0 <= arena <= regions["arena"]:
+        raise InvalidPackageError(f"graph {graph.get('name', graph_index)!r} uses {arena} bytes of arena, "
+                                  f"but the arena region has {regions['arena']}")
+    regions["arena"] = arena
+    return regions
 
 
 def plan_graph(manifest, graph_index: int = 0) -> list:
@@ -59,7 +76,7 @@ def plan_graph(manifest, graph_index: int = 0) -> list:
     if not graphs:
         raise InvalidPackageError("the package contains no graph")
     graph = graphs[graph_index]
-    kernels, regions = manifest["kernels"], manifest["regions"]
+    kernels, regions = manifest["kernels"], graph_regions(manifest, graph_index)
     n_words = table_word_count(manifest)
     plans = []
     for i, node in enumerate(graph["nodes"]):
@@ -102,8 +119,9 @@ def _plan_arg(where, param, arg, regions, n_words):
             raise InvalidPackageError(f"{where}: parameter {name} has type {ptype} but gets a pointer")
         offset, nbytes = arg["offset"], arg.get("nbytes", 0)
         if offset < 0 or nbytes < 0 or offset + nbytes > regions[region]:
+            limit = "this graph's arena" if region == "arena" else f"region {region}"
             raise InvalidPackageError(f"{where}: parameter {name} covers [{offset}, {offset + nbytes}) "
-                                      f"of region {region}, which has {regions[region]} bytes")
+                                      f"of region {region}, but {limit} has {regions[region]} bytes")
         return ("region", region, offset)
     if "word" in arg:
         word = arg["word"]
@@ -131,6 +149,19 @@ def param_values(plan: NodePlan, bases: dict, words) -> tuple:
     return values, word_positions
 
 
+def word_runs(word_positions) -> list:
+    """[(position, first word, end word)]: `word_positions` ((position, word) pairs) grouped into runs
+    where consecutive positions hold consecutive words, so each run is one slice copy. A table
+    writer whose parameters are w0, w1, ... in order is a single run."""
+    runs = []
+    for pos, word in word_positions:
+        if runs and runs[-1][0] + runs[-1][2] - runs[-1][1] == pos and runs[-1][2] == word:
+            runs[-1][2] = word + 1
+        else:
+            runs.append([pos, word, word + 1])
+    return [tuple(r) for r in runs]
+
+
 class ParamBlock:
     """The memory behind one node's kernelParams: 8-byte cells and the void*[] that points at them."""
 
@@ -143,8 +174,8 @@ class ParamBlock:
 
 
 class ExecutableGraph:
-    """An instantiated graph. `sinks(w)` lists the (cells, position) pairs that hold table word w;
-    write new values there, then `launch(stream)`."""
+    """An instantiated graph: `launch(words, stream)` puts the table words into the nodes that take
+    them and launches."""
 
     def __init__(self, plans, functions, bases: dict, words):
         cu = driver.cuda()
@@ -153,7 +184,7 @@ class ExecutableGraph:
         self.exec = None
         self._keep = []      # every node's ParamBlock and CUDA_KERNEL_NODE_PARAMS, for the graph's life
         self._dynamic = []   # (node, CUDA_KERNEL_NODE_PARAMS) of nodes that take table words
-        self._sinks = {}     # word index -> [(cells, position)]
+        self._runs = []      # (cells, first position, first word, end word): one slice copy each
         try:
             nodes = []
             for plan in plans:
@@ -172,22 +203,21 @@ class ExecutableGraph:
                 self._keep.append((block, p))
                 if word_positions:
                     self._dynamic.append((node, p))
-                    for pos, word in word_positions:
-                        self._sinks.setdefault(word, []).append((block.cells, pos))
+                    self._runs += [(block.cells, *run) for run in word_runs(word_positions)]
             self.exec = call(cu.cuGraphInstantiate, self.graph, 0)
         except BaseException:
             self.destroy()
             raise
 
-    def sinks(self, word: int) -> list:
-        return self._sinks.get(word, [])
-
     def upload(self, stream) -> None:
         """Move the graph to the device now, so the first launch does not pay for it."""
         call(self._cu.cuGraphUpload, self.exec, stream)
 
-    def launch(self, stream) -> None:
-        """Push the current table words into the writer node(s), then launch. The hot path."""
+    def launch(self, words, stream) -> None:
+        """Write this call's table words into the parameter cells, SetParams on each node that takes
+        them (the table writer), then launch. The hot path."""
+        for cells, pos, first, end in self._runs:
+            cells[pos:pos + end - first] = words[first:end]
         cu, exe = self._cu, self.exec
         for node, params in self._dynamic:
             result = cu.cuGraphExecKernelNodeSetParams(exe, node, params)

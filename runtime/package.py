@@ -1,12 +1,15 @@
 """load(): from a `.grace` file to kernels on the GPU and weights in device memory.
 
     read      grace.formats.read_package: magic, versions, sha256 of every section, manifest schema
-    check     the graph's kernel arguments against their regions and the table (graph.plan_graph)
+    check     symbols, buckets and shape expressions (shapes.ShapePlan); every graph's kernel
+              arguments against their regions, its own arena and the table (graph.plan_graph)
     device    cuInit, primary context; the GPU's arch picks the kernel binaries (PackageMismatchError)
     kernels   cuModuleLoadData + cuModuleGetFunction per kernel; opt in to >48 KiB shared memory
     weights   one cuMemAlloc for the weights region; each tensor copied to base + offset
 
-Everything that depends on a call (arena, table, outputs, graph, stream) belongs to a Session.
+Everything that depends on a call (arena, table, outputs, graphs, stream) belongs to a Session.
+`instantiate` says when a session builds each graph: "lazy" (default) on the first call that
+selects it, "eager" all of them when the session is made (no first-call latency per bucket).
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import numpy as np
 from . import driver, graph
 from .driver import call
 from .errors import GraceRuntimeError, InvalidPackageError, PackageMismatchError
+from .shapes import ShapePlan
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
+INSTANTIATE_MODES = ("lazy", "eager")
 
 
 class TensorSpec(NamedTuple):
-    """One input or output of the package."""
+    """One input or output of the package. `shape` is the declared shape: per dim a size, a symbol
+    name, or (outputs) a shape expression such as ["+", "n", 1]."""
     name: str
     dtype: str
     shape: tuple
@@ -53,13 +59,13 @@ def pick_arch(capability: tuple, archs) -> str:
         f"compile the model again for {exact}")
 
 
-def _slot_shapes(manifest, specs) -> list:
-    """The shape of every table slot (slot order), checking that inputs and outputs cover the
-    table exactly and that each slot fits in the table region."""
+def _check_slots(manifest, specs) -> None:
+    """Inputs and outputs cover the table slots exactly, with the slots' ranks, and each slot fits
+    in the table region."""
     slots = manifest["table"]["slots"]
-    shapes = [None] * len(slots)
+    owner = [None] * len(slots)
     for spec in specs:
-        if not 0 <= spec.slot < len(slots) or shapes[spec.slot] is not None:
+        if not 0 <= spec.slot < len(slots) or owner[spec.slot] is not None:
             raise InvalidPackageError(f"{spec.name!r} uses table slot {spec.slot}, which is out of range or taken")
         slot = slots[spec.slot]
         if slot["rank"] != len(spec.shape):
@@ -67,27 +73,37 @@ def _slot_shapes(manifest, specs) -> list:
                                       f"has rank {slot['rank']}")
         if slot["offset"] + 8 * (1 + 2 * slot["rank"]) > manifest["regions"]["table"]:
             raise InvalidPackageError(f"table slot {spec.slot} ({spec.name!r}) ends past the table region")
-        shapes[spec.slot] = spec.shape
-    if None in shapes:
-        raise InvalidPackageError(f"table slot {shapes.index(None)} belongs to no input or output")
-    return shapes
+        owner[spec.slot] = spec.name
+    if None in owner:
+        raise InvalidPackageError(f"table slot {owner.index(None)} belongs to no input or output")
 
 
-def load(path, device: int = 0) -> "LoadedPackage":
-    """Read, validate and load a `.grace` package onto CUDA device `device`."""
+def _check_instantiate(mode) -> None:
+    if mode not in INSTANTIATE_MODES:
+        raise ValueError(f"instantiate={mode!r}: expected one of {', '.join(map(repr, INSTANTIATE_MODES))}")
+
+
+def load(path, device: int = 0, instantiate: str = "lazy") -> "LoadedPackage":
+    """Read, validate and load a `.grace` package onto CUDA device `device`. `instantiate`: "lazy"
+    (a session instantiates a graph on the first call that selects it) or "eager" (every graph when
+    the session is made)."""
+    _check_instantiate(instantiate)  # before reading the file
     from grace.formats import read_package  # the reader pulls in safetensors: import on first use
 
-    return LoadedPackage(read_package(path), device)
+    return LoadedPackage(read_package(path), device, instantiate)
 
 
 class LoadedPackage:
     """A package on one GPU: kernels loaded, weights uploaded. Make Sessions to run it.
 
     `inputs` / `outputs`: lists of TensorSpec (name, dtype, shape, slot) in manifest order.
+    `graph_names`: one per bucket; `plans[i]`: graph i's NodePlans; `shapes`: the ShapePlan.
     """
 
-    def __init__(self, package, device: int = 0):
+    def __init__(self, package, device: int = 0, instantiate: str = "lazy"):
+        _check_instantiate(instantiate)
         self.device = None
+        self.instantiate = instantiate
         self._modules, self.functions, self.weights_ptr = [], [], None
         self._sessions = weakref.WeakSet()
         manifest = package.manifest
@@ -95,8 +111,11 @@ class LoadedPackage:
         self.inputs = [TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["slot"]) for t in manifest["inputs"]]
         self.outputs = [TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["slot"]) for t in manifest["outputs"]]
         # A bad package fails here, before the GPU is touched.
-        self.slot_shapes = _slot_shapes(manifest, self.inputs + self.outputs)
-        self.plans = graph.plan_graph(manifest)
+        _check_slots(manifest, self.inputs + self.outputs)
+        self.shapes = ShapePlan(manifest)
+        self.graph_names = self.shapes.graph_names
+        self.plans = [graph.plan_graph(manifest, i) for i in range(len(manifest["graphs"]))]
+        self.extents_offset = manifest["table"]["extents"]["offset"]  # symbol k: 8 bytes at + 8k
         self.device = driver.Device(device)
         try:
             self.arch = pick_arch(self.device.capability, manifest["archs"])
@@ -149,7 +168,8 @@ class LoadedPackage:
 
     # --- use
     def session(self, poison: bool = False, stream=None):
-        """A Session: its own arena, table, output buffers, stream and instantiated graph.
+        """A Session: its own arena, table, output buffers, stream and graphs (instantiated as the
+        package's `instantiate` says).
         poison=True fills the arena with 0xFF bytes (NaN in every float format) to expose reads of
         memory no kernel wrote. `stream`: run on this stream (a CUstream, an int handle, or a
         torch.cuda.Stream) instead of one the session creates."""
@@ -194,4 +214,4 @@ class LoadedPackage:
         name = self.manifest.get("model", {}).get("name", "?")
         arch = getattr(self, "arch", "?")
         return (f"LoadedPackage({name!r}, {len(self.manifest['kernels'])} kernels, "
-                f"{len(self.plans)} nodes, {arch} on {self.device})")
+                f"{len(self.plans)} graph(s), {arch} on {self.device})")

@@ -1,14 +1,26 @@
 """Session: the per-caller state of a loaded package, and run().
 
-A session owns the arena (intermediates), the argument table, one buffer per output, staging buffers
-for numpy inputs (allocated on first use), a stream, and its instantiated graph. Sessions of one
-package share its kernels and weights. Calls on one session are ordered on its stream, so the table
-and the arena are never rewritten while an earlier launch may still read them.
+A session owns one arena (`regions.arena`, the largest any graph uses), one argument table, one
+buffer per output sized for the largest graph, staging buffers for numpy inputs (allocated on first
+use, sized for the largest bucket), a stream, and one instantiated CUDA graph per bucket. Graphs are
+instantiated on the first call that selects them ("lazy", the default) or all when the session is
+made ("eager", `load(..., instantiate="eager")`); `instantiations` counts them, so a test can check
+that no graph is rebuilt while sizes vary inside a bucket. Sessions of one package share its kernels
+and weights. Calls on one session are ordered on its stream, so the table and the arena are never
+rewritten while an earlier launch may still read them, whichever graph it was.
 
-run(): check every argument (InputError before anything is enqueued) -> copy numpy inputs to staging
--> write the data pointers into the table writer's parameter cells -> cuGraphExecKernelNodeSetParams
-+ cuGraphLaunch. Sizes and strides are static, so only the pointer words change per call; all else is
-computed when the session is made. Returns DeviceArrays, stale after the next run().
+run(): check every argument (dtype, device, layout), resolve the symbols from the input shapes and
+select the graph (shapes.ShapePlan.prepare; InputError before anything is enqueued) -> copy numpy
+inputs to staging -> the table words (true sizes, strides and symbol values, cached per size
+combination; this call's data pointers) into the chosen graph's table-writer parameter cells ->
+cuGraphExecKernelNodeSetParams + cuGraphLaunch. Returns DeviceArrays with the true shapes, stale
+after the next run().
+
+Data-dependent sizes: an output whose dim 0 uses a data symbol is allocated at the graph's bound;
+its true size is computed by a kernel into the table's extents words. Its DeviceArray reads that word
+from the device (synchronising the session's stream) the first time its shape is needed (.shape,
+.numpy(), a protocol). That read is the only host round trip of the runtime, and only such outputs
+make it; run() itself never waits for the device.
 
 Streams: by default the session makes a stream that is *blocking* with respect to the legacy default
 stream, so work that torch or CuPy enqueue on their default stream is ordered with our launches in
@@ -18,25 +30,24 @@ it first, or pass that stream as session(stream=...).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from . import driver, dtypes
 from .arrays import DeviceArray, as_record
 from .driver import call
-from .errors import GraceRuntimeError, InputError
-from .graph import ExecutableGraph
-from .validate import check_array, check_writable, pointer_word_indices, table_words
-
-
-def _nbytes(spec) -> int:
-    n = dtypes.itemsize(spec.dtype)
-    for d in spec.shape:
-        n *= d
-    return n
+from .errors import GraceRuntimeError, InputError, InvalidPackageError
+from .graph import ExecutableGraph, table_word_count
+from .validate import check_array, check_shape, check_writable
 
 
 class Session:
-    """Run a loaded package: `outputs = session.run(x=tensor)`; see the module docstring."""
+    """Run a loaded package: `outputs = session.run(x=tensor)`; see the module docstring.
+
+    `instantiations`: {graph name: times instantiated} for the graphs built so far (each stays 1).
+    `last_graph`: the name of the graph the last run() launched (None before the first).
+    """
 
     def __init__(self, package, poison: bool = False, stream=None):
         self._package = package
@@ -45,15 +56,22 @@ class Session:
         self._closed = False
         self._generation = 0  # +1 per run(): DeviceArrays of older generations are stale
         self._keep = None     # the last run's arguments: alive while the GPU may still read them
-        self._stream = self._event = self._graph = None
+        self._stream = self._event = None
         self._own_stream = stream is None
         self._arena = self._table = None
         self._out_ptrs, self._staging = [], {}
-        self._outputs_redirected = False  # did the last run point an output slot at an out= array?
+        self._graphs = [None] * len(package.plans)  # ExecutableGraph per graph, once instantiated
+        self.instantiations = {}
+        self.last_graph = None
         self._inputs, self._outputs = package.inputs, package.outputs
+        self._shapes = package.shapes
         self._input_names = [s.name for s in self._inputs]
-        self._output_specs = {s.name: s for s in self._outputs}
+        self._output_index = {s.name: o for o, s in enumerate(self._outputs)}
         self._what = [f"input '{s.name}'" for s in self._inputs]  # for error messages, made once
+        self._pointer_words = package.shapes.pointer_words  # per slot: index of its data-pointer word
+        self._graph_names = package.graph_names
+        self._data_outputs = {o for o in range(len(self._outputs)) if self._shapes.data_symbols_of(o)}
+        self._last = None  # (graph, symbol values, values with data symbols read) of the last run
 
         self._device.make_current()
         try:
@@ -65,25 +83,17 @@ class Session:
             regions = package.manifest["regions"]
             self._arena = driver.mem_alloc(regions["arena"])
             self._table = driver.mem_alloc(regions["table"])
+            out_nbytes = [self._shapes.output_capacity(o) * dtypes.itemsize(s.dtype)
+                          for o, s in enumerate(self._outputs)]
+            self._out_ptrs = [driver.mem_alloc(n) for n in out_nbytes]
             if poison:  # 0xFF bytes: NaN in every float format, -1 in every int format
-                driver.memset_d8(self._arena, 0xFF, regions["arena"], self._stream)
-                driver.memset_d8(self._table, 0xFF, regions["table"], self._stream)
-            self._out_ptrs = [driver.mem_alloc(_nbytes(s)) for s in self._outputs]
-
-            # Initial table words: inputs point nowhere yet (every run sets them), outputs at our buffers.
-            shapes = package.slot_shapes
-            ptrs = [0] * len(shapes)
-            for spec, ptr in zip(self._outputs, self._out_ptrs):
-                ptrs[spec.slot] = ptr
-            words = table_words(shapes, ptrs)
-            ptr_words = pointer_word_indices([len(s) for s in shapes])
-
-            bases = {"weights": package.weights_ptr, "arena": self._arena, "table": self._table}
-            self._graph = ExecutableGraph(package.plans, package.functions, bases, words)
-            self._graph.upload(self._stream)
-            # Where each slot's data-pointer word lives in the writer node's parameter cells.
-            self._input_sinks = [self._graph.sinks(ptr_words[s.slot]) for s in self._inputs]
-            self._output_sinks = [self._graph.sinks(ptr_words[s.slot]) for s in self._outputs]
+                for ptr, n in ((self._arena, regions["arena"]), (self._table, regions["table"]),
+                               *zip(self._out_ptrs, out_nbytes)):
+                    driver.memset_d8(ptr, 0xFF, n, self._stream)
+            self._bases = {"weights": package.weights_ptr, "arena": self._arena, "table": self._table}
+            if package.instantiate == "eager":
+                for g in range(len(self._graphs)):
+                    self._instantiate(g)
         except BaseException:
             self.close()
             raise
@@ -98,50 +108,67 @@ class Session:
 
     # ------------------------------------------------------------------------------------- run
     def run(self, *args, out=None, **inputs) -> dict:
-        """Run the graph once. Inputs positionally (manifest order) and/or by name; `out` maps
-        output names to device arrays to write instead of the session's buffers. Returns
-        {output name: DeviceArray} (or your out= array). Asynchronous: use .numpy(), a protocol
-        consumer or sync() to wait."""
+        """Run once. Inputs positionally (manifest order) and/or by name, of any size the package's
+        symbols allow; `out` maps output names to device arrays of this call's true output shape,
+        written instead of the session's buffers. Returns {output name: DeviceArray} (or your out=
+        array). Asynchronous: use .numpy(), a protocol consumer or sync() to wait."""
         if self._closed:
             raise GraceRuntimeError("this session was closed")
         self._device.make_current()
         records = self._input_records(args, inputs)
-        out_records = self._out_records(out) if out else None
+        call = self._shapes.prepare([rec.shape for rec in records])  # sizes, graph, words (cached)
+        g, out_shapes = call.graph, call.output_shapes
+        out_records = self._out_records(out, out_shapes) if out else {}
+        graph = self._graphs[g] or self._instantiate(g)
 
         # Every argument is valid: from here on only device work is enqueued.
-        for spec, rec, sinks in zip(self._inputs, records, self._input_sinks):
+        words = call.words.copy()
+        at = self._pointer_words
+        for i, (spec, rec) in enumerate(zip(self._inputs, records)):
             ptr = rec.ptr
             if rec.host is not None:
-                ptr = self._stage(spec, rec.host)
+                ptr = self._stage(i, spec, rec.host)
             elif rec.stream is not None:  # __cuda_array_interface__ v3: wait for the producer's stream
                 driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
-            for cells, pos in sinks:
-                cells[pos] = ptr
-        if out_records is not None or self._outputs_redirected:
-            self._point_outputs(out_records or {})
-        self._graph.launch(self._stream)
-
-        self._generation += 1
-        # Hold the caller's arrays (and DLPack capsules) until the next run, so a temporary passed to
-        # run() is not freed and its memory reused while the graph may still read it.
-        self._keep = (args, inputs, records, out)
-        return {spec.name: out[spec.name] if out_records and spec.name in out_records else
-                DeviceArray(ptr, spec.shape, spec.dtype, self._ordinal, self, spec.name)
-                for spec, ptr in zip(self._outputs, self._out_ptrs)}
-
-    def _point_outputs(self, out_records: dict) -> None:
-        """Output slots point at the out= arrays given, and at our own buffers otherwise."""
-        for spec, ptr, sinks in zip(self._outputs, self._out_ptrs, self._output_sinks):
+            words[at[spec.slot]] = ptr
+        for spec, ptr in zip(self._outputs, self._out_ptrs):
             rec = out_records.get(spec.name)
             if rec is not None:
                 if rec.stream is not None:
                     driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
                 ptr = rec.ptr
-            for cells, pos in sinks:
-                cells[pos] = ptr
-        self._outputs_redirected = bool(out_records)
+            words[at[spec.slot]] = ptr
+        graph.launch(words, self._stream)
+
+        self._generation += 1
+        self._last = (g, call.values, None)
+        self.last_graph = self._graph_names[g]
+        # Hold the caller's arrays (and DLPack capsules) until the next run, so a temporary passed to
+        # run() is not freed and its memory reused while the graph may still read it.
+        self._keep = (args, inputs, records, out)
+        return {spec.name: out[spec.name] if spec.name in out_records else self._output_array(o, shape)
+                for o, (spec, shape) in enumerate(zip(self._outputs, out_shapes))}
 
     __call__ = run
+
+    def _output_array(self, o: int, shape) -> DeviceArray:
+        spec = self._outputs[o]
+        if o in self._data_outputs:  # dim 0 is known on the device only: read it on first use
+            return DeviceArray(self._out_ptrs[o], None, spec.dtype, self._ordinal, self, spec.name,
+                               shape_fn=functools.partial(self._true_shape, o))
+        return DeviceArray(self._out_ptrs[o], shape, spec.dtype, self._ordinal, self, spec.name)
+
+    def _instantiate(self, g: int) -> ExecutableGraph:
+        """Build, instantiate and upload graph g (its parameter cells start at zero: every launch
+        writes all table words)."""
+        package = self._package
+        words = [0] * table_word_count(package.manifest)
+        graph = ExecutableGraph(package.plans[g], package.functions, self._bases, words)
+        self._graphs[g] = graph
+        name = package.graph_names[g]
+        self.instantiations[name] = self.instantiations.get(name, 0) + 1
+        graph.upload(self._stream)
+        return graph
 
     def _input_records(self, args, named) -> list:
         names = self._input_names
@@ -162,45 +189,76 @@ class Session:
             args = [given[n] for n in names]
         records = []
         for spec, what, obj in zip(self._inputs, self._what, args):
-            rec = self._record(obj, what, spec)
+            rec = self._record(obj, what, spec.dtype)
             if rec.owner is self:
                 raise InputError(f"{what}: is an output of this session, whose buffers this run "
                                  "rewrites; copy it first, or pass it to another session")
             records.append(rec)
         return records
 
-    def _out_records(self, out) -> dict:
+    def _out_records(self, out, out_shapes) -> dict:
         if not isinstance(out, dict):
             raise InputError("out= must be a dict {output name: device array}")
         records = {}
         for name, obj in out.items():
-            spec = self._output_specs.get(name)
-            if spec is None:
+            o = self._output_index.get(name)
+            if o is None:
                 raise InputError(f"out= names unknown output {name!r}; the package's outputs are "
-                                 f"{list(self._output_specs)}")
+                                 f"{list(self._output_index)}")
             what = f"output '{name}' (out=)"
-            rec = self._record(obj, what, spec)
+            if o in self._data_outputs:
+                raise InputError(f"{what}: its dim 0 is data-dependent (known only after the run), so it "
+                                 "cannot be written to an out= array; use the returned DeviceArray")
+            rec = self._record(obj, what, self._outputs[o].dtype)
+            check_shape(what, rec.shape, out_shapes[o])
             check_writable(what, rec)
             records[name] = rec
         return records
 
-    def _record(self, obj, what, spec):
+    def _record(self, obj, what, dtype):
         rec = as_record(obj, what, self._stream_int)
         if rec.device is None:  # __cuda_array_interface__ does not say which GPU: ask the driver
             rec.device = driver.pointer_device(rec.ptr)
-        check_array(what, rec, spec.dtype, spec.shape, self._ordinal)
+        check_array(what, rec, dtype, self._ordinal)
         return rec
 
-    def _stage(self, spec, host: np.ndarray) -> int:
-        """Copy a numpy input into this input's staging buffer (ordered on our stream)."""
+    def _stage(self, i: int, spec, host: np.ndarray) -> int:
+        """Copy a numpy input into its staging buffer (sized for the largest bucket, ordered on our
+        stream)."""
         buf = self._staging.get(spec.name)
         if buf is None:
-            buf = self._staging[spec.name] = driver.mem_alloc(_nbytes(spec))
+            nbytes = self._shapes.input_capacity(i) * dtypes.itemsize(spec.dtype)
+            buf = self._staging[spec.name] = driver.mem_alloc(nbytes)
         host = np.ascontiguousarray(host)
         driver.copy_htod(buf, host.ctypes.data, host.nbytes, self._stream)
         return buf
 
     # ------------------------------------------------------------------ hooks used by DeviceArray
+    def _true_shape(self, o: int) -> tuple:
+        """Output o's shape after the last run, its data symbols read from the table's extents words
+        (one device-to-host copy per run, shared by all such outputs). DeviceArray calls this only
+        while it is current, so the last run is the one that produced it."""
+        g, values, filled = self._last
+        if filled is None:
+            filled = self._read_data_symbols(g, values)
+            self._last = (g, values, filled)
+        return self._shapes.output_shape(o, filled)
+
+    def _read_data_symbols(self, g: int, values) -> list:
+        plan = self._shapes
+        words = np.empty(len(plan.symbols), np.int64)
+        self._device.make_current()
+        driver.copy_dtoh(words.ctypes.data, self._table + self._package.extents_offset, words.nbytes, self._stream)
+        filled, bounds = list(values), plan.bounds(g)
+        for k in plan.data_symbols:
+            v = int(words[k])
+            if not 0 <= v <= bounds[k]:
+                raise InvalidPackageError(
+                    f"data symbol {plan.symbols[k]!r} is {v} after graph {plan.graph_names[g]!r} ran, outside "
+                    f"[0, {bounds[k]}] (its bound in this graph): a kernel did not compute it correctly")
+            filled[k] = v
+        return filled
+
     def _order_consumer(self, stream: int) -> None:
         """Make a consumer's stream (DLPack handle) wait for everything enqueued on ours."""
         if stream != self._stream_int:
@@ -229,8 +287,10 @@ class Session:
         cu = driver.cuda()
         if self._stream is not None:
             call(cu.cuStreamSynchronize, self._stream)
-        if self._graph is not None:
-            self._graph.destroy()
+        for graph in self._graphs:
+            if graph is not None:
+                graph.destroy()
+        self._graphs = [None] * len(self._graphs)
         for ptr in (self._arena, self._table, *self._out_ptrs, *self._staging.values()):
             if ptr is not None:
                 driver.mem_free(ptr)

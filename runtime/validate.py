@@ -1,5 +1,6 @@
-"""Pure checks and arithmetic of a call: is this array acceptable for that slot, and what are the
-argument table words. No driver, no device: everything here is testable on any machine.
+"""Pure checks of one array: can it fill a table slot (dtype, device, layout, alignment)? No driver,
+no device: everything here is testable on any machine. Sizes are checked against the package by
+shapes.ShapePlan (inputs: symbols, ranges, static dims) and `check_shape` (out= arrays).
 
 An array arrives as an ArrayRecord (see arrays.as_record): pointer, shape, strides in elements
 (None = C-contiguous), dtype name and device ("cpu" for numpy arrays that will be copied in).
@@ -57,17 +58,12 @@ def _dims(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def check_array(what: str, rec: ArrayRecord, dtype: str, shape, device: int) -> None:
-    """Raise InputError (naming `what`, e.g. "input 'x'") unless `rec` can fill a slot of this
-    dtype and shape on CUDA device `device`. Host (numpy) records only need dtype and shape."""
+def check_array(what: str, rec: ArrayRecord, dtype: str, device: int) -> None:
+    """Raise InputError (naming `what`, e.g. "input 'x'") unless `rec` can fill a slot of this dtype
+    on CUDA device `device`: C-contiguous, 16-byte aligned. Host (numpy) records only need the dtype.
+    The shape is not looked at here."""
     if rec.dtype != dtype:
         raise InputError(f"{what}: dtype is {rec.dtype}, expected {dtype}")
-    if len(rec.shape) != len(shape):
-        raise InputError(f"{what}: rank is {len(rec.shape)} (shape {_dims(rec.shape)}), expected "
-                         f"rank {len(shape)} (shape {_dims(shape)})")
-    if tuple(rec.shape) != tuple(shape):
-        raise InputError(f"{what}: shape is {_dims(rec.shape)}, expected {_dims(shape)} "
-                         "(this package was compiled for static shapes)")
     if rec.device == "cpu":
         return  # copied into a staging buffer: layout and alignment do not matter
     if rec.device is None:
@@ -76,13 +72,19 @@ def check_array(what: str, rec: ArrayRecord, dtype: str, shape, device: int) -> 
         raise InputError(f"{what}: is on cuda:{rec.device}, but the package is loaded on cuda:{device}")
     if not is_contiguous(rec.shape, rec.strides):
         raise InputError(f"{what}: strides {list(rec.strides)} are not C-contiguous (expected "
-                         f"{list(contiguous_strides(shape))}); pass a contiguous array, e.g. x.contiguous()")
+                         f"{list(contiguous_strides(rec.shape))}); pass a contiguous array, e.g. x.contiguous()")
     numel = 1
-    for d in shape:
+    for d in rec.shape:
         numel *= d
     if numel and rec.ptr % ALIGNMENT:
         raise InputError(f"{what}: data pointer {rec.ptr:#x} is not {ALIGNMENT}-byte aligned (a view "
                          "with an offset?); pass a fresh contiguous copy, e.g. x.clone()")
+
+
+def check_shape(what: str, shape, expected) -> None:
+    """`shape` must be exactly `expected` (an out= array against this call's output shape)."""
+    if tuple(shape) != tuple(expected):
+        raise InputError(f"{what}: shape is {_dims(shape)}, expected {_dims(expected)} (this call's shape)")
 
 
 def check_writable(what: str, rec: ArrayRecord) -> None:
@@ -91,27 +93,3 @@ def check_writable(what: str, rec: ArrayRecord) -> None:
                          "GPU (call .numpy() on the returned output instead)")
     if rec.readonly:
         raise InputError(f"{what}: the array is read-only")
-
-
-# ------------------------------------------------------------------------------- argument table
-
-def slot_words(ptr: int, shape) -> list:
-    """The table words of one slot: data pointer, sizes, strides (elements, C-contiguous)."""
-    return [ptr, *shape, *contiguous_strides(shape)]
-
-
-def table_words(shapes, ptrs) -> list:
-    """All table words, slot after slot (`shapes[i]`, `ptrs[i]` belong to slot i)."""
-    words = []
-    for shape, ptr in zip(shapes, ptrs, strict=True):
-        words.extend(slot_words(ptr, shape))
-    return words
-
-
-def pointer_word_indices(ranks) -> list:
-    """Index of each slot's data-pointer word in the table words (slot i has 1 + 2*rank_i words)."""
-    indices, pos = [], 0
-    for rank in ranks:
-        indices.append(pos)
-        pos += 1 + 2 * rank
-    return indices

@@ -1,4 +1,6 @@
-"""A tiny `.grace` package built by hand (no grace.aot), for tools/ and runtime tests.
+"""Tiny `.grace` packages built by hand (no grace.aot), for tools/ and runtime tests.
+
+1. `build_handmade_package`: a static package (no symbols, one graph).
 
     out = x * 2 + w + b          x: [4, 8] input, w: [4, 8] weight, b: [8] weight
 
@@ -13,6 +15,23 @@ on the GPU runtime and on the CPU reference executor.
 
 `bug="partial_t"` builds a broken variant whose k_scale writes only the first 3 rows of t: the last
 row of `out` then reads arena memory nobody wrote (NaN when the arena is poisoned).
+
+2. `build_bucket_package`: format 2.0 shape buckets (docs/design-buckets.md), one input symbol
+`n` in [1, 64] served by three graphs (buckets n=16, 32, 64):
+
+    out[n, 8] = x[n, 8] * 2 + b[8]            x: input, b: [8] weight
+    head[k, 8] = out[:k]                      with data_output=True: k = #{r < n : x[r, 0] > 0},
+                                              a data symbol computed on the device
+
+    node 0  table_writer(table, w0..)         slot words, then the symbol words (extents)
+    node 1  kb_scale(x_slot, t)               t = x * 2 for rows < n (n and strides from x's slot);
+                                              t is an arena buffer [bucket bound, 8]
+   (node 2  kb_count(x_slot, ext)             k into the extents word of symbol k)
+    node 2|3 kb_add(t, b, ext, out_slot[, head_slot])   rows < n (n from the extents words)
+
+The kernels are the same in every graph (16-row tiles); a graph differs in its grid (bound / 16
+programs) and its arena. Padded rows of t are never written and never read: with a NaN-poisoned
+arena a kernel that ignored the true n would show NaN in the outputs.
 """
 
 from __future__ import annotations
@@ -125,6 +144,19 @@ def _kernel_entry(name, family, source, signature, compiled, archs):
     }
 
 
+def _kernels_and_sections(specs, archs) -> tuple[list, dict[str, bytes]]:
+    """Compile (name, family, source, signature, num_warps) specs for every arch: the manifest's
+    kernel entries and the cubin/ and src/ sections."""
+    kernels, sections = [], {}
+    for kname, family, src, sig, nw in specs:
+        compiled = {a: _compile(src, kname, sig, nw, a) for a in archs}
+        kernels.append(_kernel_entry(kname, family, src, sig, compiled[archs[0]], archs))
+        sections[f"src/{kname}.py"] = src.encode()
+        for a in archs:
+            sections[f"cubin/{kname}.{a}"] = bytes(compiled[a].asm["cubin"])
+    return kernels, sections
+
+
 def make_weights(dtype: str = "float32", seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     np_dtype = np.float32 if dtype in ("float32", "bfloat16") else np.float16
@@ -197,13 +229,7 @@ def handmade_contents(
         ("k_scale", "pointwise", sc_src, sc_sig, 4),
         ("k_add", "pointwise", add_src, add_sig, 4),
     ]
-    kernels, sections = [], {}
-    for kname, family, src, sig, nw in specs:
-        compiled = {a: _compile(src, kname, sig, nw, a) for a in archs}
-        kernels.append(_kernel_entry(kname, family, src, sig, compiled[archs[0]], archs))
-        sections[f"src/{kname}.py"] = src.encode()
-        for a in archs:
-            sections[f"cubin/{kname}.{a}"] = bytes(compiled[a].asm["cubin"])
+    kernels, sections = _kernels_and_sections(specs, archs)
 
     # --- weights -----------------------------------------------------------------------------------
     def raw(a):
@@ -216,11 +242,12 @@ def handmade_contents(
     slot = lambda off, nb=8: {"region": "table", "offset": off, "nbytes": nb, "dtype": "int64"}  # noqa: E731
     t_arg = {"region": "arena", "offset": 0, "nbytes": nbytes_xo, "dtype": dtype}
     manifest = {
-        "format_version": [1, 0],
+        "format_version": [2, 0],
         "producer": {"grace": "0.1.0", "torch": torch.__version__.split("+")[0], "triton": triton.__version__},
         "model": {"name": name},
         "archs": list(archs),
         "options": {"handmade": True},
+        "symbols": [],
         "inputs": [{"name": "x", "dtype": dtype, "shape": [ROWS, COLS], "slot": 0}],
         "outputs": [{"name": "out", "dtype": dtype, "shape": [ROWS, COLS], "slot": 1}],
         "table": {
@@ -229,6 +256,7 @@ def handmade_contents(
                 {"name": "x", "role": "input", "offset": slot_offsets[0], "rank": ranks[0]},
                 {"name": "out", "role": "output", "offset": slot_offsets[1], "rank": ranks[1]},
             ],
+            "extents": {"offset": table_nbytes, "count": 0},
         },
         "regions": {"weights": weights_nbytes, "arena": 256, "table": table_nbytes},
         "weights": [
@@ -240,6 +268,8 @@ def handmade_contents(
         "graphs": [
             {
                 "name": "main",
+                "bucket": {},
+                "arena": 256,
                 "nodes": [
                     {
                         "kernel": 0,
@@ -274,6 +304,196 @@ def handmade_contents(
         ],
     }
     return manifest, sections
+
+
+# ------------------------------------------------------------------------------ bucket package
+
+B_COLS = 8                  # out[n, B_COLS]
+N_MIN, N_MAX = 1, 64        # range of the input symbol n
+BUCKETS = (16, 32, 64)      # one graph per bound
+TILE = 16                   # rows per program; every bucket bound is a multiple
+
+
+def _bucket_scale_source() -> str:
+    return f'''import triton
+import triton.language as tl
+
+
+@triton.jit
+def kb_scale(x_slot, t):
+    # t[r, c] = 2 * x[r, c] for the true rows r < n. x's slot holds [ptr, n, {B_COLS}, stride0, stride1];
+    # t is an arena buffer [bucket bound, {B_COLS}] whose padded rows stay unwritten.
+    x_ptr = tl.load(x_slot).to(tl.pointer_type(tl.float32))
+    n = tl.load(x_slot + 1)
+    s0 = tl.load(x_slot + 3)
+    s1 = tl.load(x_slot + 4)
+    rows = tl.program_id(0) * {TILE} + tl.arange(0, {TILE})
+    cols = tl.arange(0, {B_COLS})
+    mask = (rows[:, None] < n) & (cols[None, :] < {B_COLS})
+    x = tl.load(x_ptr + rows[:, None] * s0 + cols[None, :] * s1, mask=mask)
+    tl.store(t + rows[:, None] * {B_COLS} + cols[None, :], x * 2, mask=mask)
+'''
+
+
+def _bucket_count_source() -> str:
+    return f'''import triton
+import triton.language as tl
+
+
+@triton.jit
+def kb_count(x_slot, ext):
+    # k = #{{r < n : x[r, 0] > 0}} into the extents word of the data symbol k (symbol 1). The loop
+    # bound is static (the range maximum): the interpreter cannot loop to a runtime bound.
+    x_ptr = tl.load(x_slot).to(tl.pointer_type(tl.float32))
+    n = tl.load(x_slot + 1)
+    s0 = tl.load(x_slot + 3)
+    total = tl.zeros([{TILE}], tl.int64)
+    for r0 in range(0, {N_MAX}, {TILE}):
+        rows = r0 + tl.arange(0, {TILE})
+        v = tl.load(x_ptr + rows * s0, mask=rows < n, other=0.0)
+        total += (v > 0).to(tl.int64)
+    tl.store(ext + 1, tl.sum(total, axis=0))
+'''
+
+
+def _bucket_add_source(data_output: bool) -> str:
+    head_param = ", head_slot" if data_output else ""
+    head = f'''
+    # head = out[:k], k (symbol 1) computed by kb_count
+    k = tl.load(ext + 1)
+    head_ptr = tl.load(head_slot).to(tl.pointer_type(tl.float32))
+    h0 = tl.load(head_slot + 3)
+    h1 = tl.load(head_slot + 4)
+    hmask = (rows[:, None] < k) & (cols[None, :] < {B_COLS})
+    tl.store(head_ptr + rows[:, None] * h0 + cols[None, :] * h1, v, mask=hmask)
+''' if data_output else ""
+    return f'''import triton
+import triton.language as tl
+
+
+@triton.jit
+def kb_add(t, b, ext, out_slot{head_param}):
+    # out[r, c] = t[r, c] + b[c] for r < n, n read from the extents words (symbol 0)
+    n = tl.load(ext)
+    out_ptr = tl.load(out_slot).to(tl.pointer_type(tl.float32))
+    o0 = tl.load(out_slot + 3)
+    o1 = tl.load(out_slot + 4)
+    rows = tl.program_id(0) * {TILE} + tl.arange(0, {TILE})
+    cols = tl.arange(0, {B_COLS})
+    mask = (rows[:, None] < n) & (cols[None, :] < {B_COLS})
+    v = tl.load(t + rows[:, None] * {B_COLS} + cols[None, :], mask=mask) + tl.load(b + cols)[None, :]
+    tl.store(out_ptr + rows[:, None] * o0 + cols[None, :] * o1, v, mask=mask)
+{head}'''
+
+
+def bucket_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    return {"b": np.random.default_rng(seed).standard_normal((B_COLS,)).astype(np.float32)}
+
+
+def bucket_reference(x: np.ndarray, weights: dict[str, np.ndarray], data_output: bool = False) -> dict:
+    """What the bucket package computes, in numpy."""
+    out = x * np.float32(2) + weights["b"]
+    if not data_output:
+        return {"out": out}
+    return {"out": out, "head": out[: int((x[:, 0] > 0).sum())]}
+
+
+def build_bucket_package(path, **kw) -> pathlib.Path:
+    """Write the bucket package to `path`; return the path. Keywords: see `bucket_contents`."""
+    from grace.formats import write_package
+
+    path = pathlib.Path(path)
+    manifest, sections = bucket_contents(**kw)
+    write_package(path, manifest, sections)
+    return path
+
+
+def bucket_contents(*, data_output: bool = False, archs: tuple[str, ...] = (ARCH,),
+                    seed: int = 0) -> tuple[dict, dict[str, bytes]]:
+    """(manifest, sections) of the bucket package (format 2.0), float32."""
+    import torch
+    import triton
+
+    from grace.formats import encode_weights
+
+    names = ["x", "out"] + (["head"] if data_output else [])
+    slot_offsets = [48 * i for i in range(len(names))]        # rank 2: 5 words (40 bytes), 16-aligned
+    n_slot_words = 5 * len(names)
+    n_symbols = 2 if data_output else 1
+    ext_offset = slot_offsets[-1] + 40
+    table_nbytes = (ext_offset + 8 * n_symbols + 15) // 16 * 16
+    word_offsets = ([so // 8 + j for so in slot_offsets for j in range(5)]
+                    + [ext_offset // 8 + k for k in range(n_symbols)])
+
+    specs = [("table_writer", "table_writer", table_writer_source(len(word_offsets), word_offsets),
+              {"table": "*i64", **{f"w{k}": "i64" for k in range(len(word_offsets))}}, 1),
+             ("kb_scale", "pointwise", _bucket_scale_source(), {"x_slot": "*i64", "t": "*fp32"}, 4)]
+    if data_output:
+        specs.append(("kb_count", "reduction", _bucket_count_source(), {"x_slot": "*i64", "ext": "*i64"}, 1))
+    add_sig = {"t": "*fp32", "b": "*fp32", "ext": "*i64", "out_slot": "*i64"}
+    if data_output:
+        add_sig["head_slot"] = "*i64"
+    specs.append(("kb_add", "pointwise", _bucket_add_source(data_output), add_sig, 4))
+    kernels, sections = _kernels_and_sections(specs, archs)
+    weights = bucket_weights(seed)
+    sections["weights"] = encode_weights({n: ("float32", a.shape, a.tobytes()) for n, a in weights.items()})
+
+    symbols = [{"name": "n", "kind": "input", "min": N_MIN, "max": N_MAX, "sources": [[0, 0]]}]
+    if data_output:
+        symbols.append({"name": "k", "kind": "data", "min": 0, "max": N_MAX, "sources": []})
+    outputs = [{"name": "out", "dtype": "float32", "shape": ["n", B_COLS], "slot": 1}]
+    if data_output:
+        outputs.append({"name": "head", "dtype": "float32", "shape": ["k", B_COLS], "slot": 2})
+    manifest = {
+        "format_version": [2, 0],
+        "producer": {"grace": "0.1.0", "torch": torch.__version__.split("+")[0], "triton": triton.__version__},
+        "model": {"name": "handmade_buckets"},
+        "archs": list(archs),
+        "options": {"handmade": True},
+        "symbols": symbols,
+        "inputs": [{"name": "x", "dtype": "float32", "shape": ["n", B_COLS], "slot": 0}],
+        "outputs": outputs,
+        "table": {"nbytes": table_nbytes,
+                  "slots": [{"name": nm, "role": "input" if i == 0 else "output", "offset": off, "rank": 2}
+                            for i, (nm, off) in enumerate(zip(names, slot_offsets))],
+                  "extents": {"offset": ext_offset, "count": n_symbols}},
+        "regions": {"weights": 4 * B_COLS, "arena": _t_nbytes(max(BUCKETS)), "table": table_nbytes},
+        "weights": [{"name": "b", "dtype": "float32", "shape": [B_COLS], "offset": 0, "nbytes": 4 * B_COLS}],
+        "arena_buffers": [{"name": "t", "offset": 0, "nbytes": _t_nbytes(max(BUCKETS)), "first": 1, "last": 2}],
+        "kernels": kernels,
+        "graphs": [_bucket_graph(bound, data_output, slot_offsets, ext_offset, n_symbols, table_nbytes,
+                                 len(word_offsets)) for bound in BUCKETS],
+    }
+    assert n_slot_words + n_symbols == len(word_offsets)
+    return manifest, sections
+
+
+def _t_nbytes(bound: int) -> int:
+    return bound * B_COLS * 4
+
+
+def _bucket_graph(bound, data_output, slot_offsets, ext_offset, n_symbols, table_nbytes, n_words) -> dict:
+    """The graph of one bucket: same kernels, grid and arena scaled to the bound."""
+    def table(off, nbytes):
+        return {"region": "table", "offset": off, "nbytes": nbytes, "dtype": "int64"}
+
+    slot = [table(off, 40) for off in slot_offsets]
+    ext = table(ext_offset, 8 * n_symbols)
+    t = {"region": "arena", "offset": 0, "nbytes": _t_nbytes(bound), "dtype": "float32"}
+    b = {"region": "weights", "offset": 0, "nbytes": 4 * B_COLS, "dtype": "float32"}
+    grid = [bound // TILE, 1, 1]
+    writer = {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
+              "args": [{"region": "table", "offset": 0, "nbytes": table_nbytes}]
+              + [{"word": w} for w in range(n_words)]}
+    nodes = [writer, {"kernel": 1, "grid": grid, "deps": [0], "label": "mul", "args": [slot[0], t]}]
+    if data_output:
+        nodes.append({"kernel": 2, "grid": [1, 1, 1], "deps": [0], "label": "count", "args": [slot[0], ext]})
+    add_kernel = 3 if data_output else 2  # kernels: table_writer, kb_scale, (kb_count,) kb_add
+    nodes.append({"kernel": add_kernel, "grid": grid, "deps": list(range(len(nodes))), "label": "add",
+                  "args": [t, b, ext, *slot[1:]]})
+    bucket = {"n": bound, **({"k": bound} if data_output else {})}
+    return {"name": f"n={bound}", "bucket": bucket, "arena": _t_nbytes(bound), "nodes": nodes,
+            "stats": {"kernels": len(nodes)}}
 
 
 if __name__ == "__main__":  # python tests/helpers_handmade.py out.grace [dtype]

@@ -1,4 +1,9 @@
-"""The CPU reference executor (grace.tools.interpret) on the hand-made package."""
+"""The CPU reference executor (grace.tools.interpret) on the hand-made packages: the static one, and
+the shape-bucket one (format 2.0: one input symbol n, graphs n=16/32/64, optionally a data symbol).
+
+Triton's interpreter runs in this process: run_package switches it on around the kernels
+(`_interpret_mode`), so triton may have been imported in compiler mode before (the helpers compile
+cubins with it)."""
 
 import os
 
@@ -9,9 +14,11 @@ pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 try:
-    from helpers_handmade import build_handmade_package, make_weights, reference
+    from helpers_handmade import (B_COLS, build_bucket_package, build_handmade_package, bucket_reference,
+                                  bucket_weights, make_weights, reference)
 except ImportError:  # tests/ imported as a package
-    from tests.helpers_handmade import build_handmade_package, make_weights, reference
+    from tests.helpers_handmade import (B_COLS, build_bucket_package, build_handmade_package, bucket_reference,
+                                        bucket_weights, make_weights, reference)
 
 from grace.tools.interpret import InterpretError, run_package
 
@@ -101,8 +108,8 @@ def test_torch_input_accepted(fp32_pkg):
         ({"y": np.zeros((4, 8), np.float32)}, r"unknown input 'y'.*x \(float32\[4, 8\]\)"),
         ({}, r"missing input 'x'"),
         ({"x": np.zeros((4, 8), np.float64)}, r"input 'x': dtype float64 .*float32"),
-        ({"x": np.zeros((8, 4), np.float32)}, r"input 'x': shape \[8, 4\] .*\[4, 8\]"),
-        ({"x": np.zeros((4, 8, 1), np.float32)}, r"input 'x': shape"),
+        ({"x": np.zeros((8, 4), np.float32)}, r"input 'x': shape is \[8, 4\], expected \[4, 8\]"),
+        ({"x": np.zeros((4, 8, 1), np.float32)}, r"input 'x': rank is 3 \(shape \[4, 8, 1\]\), expected rank 2"),
     ],
 )
 def test_bad_inputs(fp32_pkg, inputs, match):
@@ -147,7 +154,7 @@ def test_kernel_modules_cached(fp32_pkg):
     assert len(interpret._module_cache) == n
 
 
-def test_table_words_layout(fp32_pkg):
+def test_table_words_layout(fp32_pkg, bucket_pkg):
     import torch
 
     from grace.tools.interpret import table_words
@@ -156,6 +163,94 @@ def test_table_words_layout(fp32_pkg):
     out = torch.zeros(4, 8)
     words = table_words(fp32_pkg.manifest, {"x": x, "out": out})
     assert words == [x.data_ptr(), 4, 8, 8, 1, out.data_ptr(), 4, 8, 8, 1]
+    x, out = torch.zeros(5, 8), torch.zeros(5, 8)
+    words = table_words(bucket_pkg.manifest, {"x": x, "out": out}, [5])
+    assert words == [x.data_ptr(), 5, 8, 8, 1, out.data_ptr(), 5, 8, 8, 1, 5]  # then the symbol n
+
+
+def test_static_package_reports_its_graph(fp32_pkg):
+    out = run_package(fp32_pkg, {"x": _x()})
+    assert out.graph == "main" and out.symbols == {}
+
+
+# ---------------------------------------------------------------------------- shape buckets
+
+@pytest.fixture(scope="module")
+def bucket_pkg(pkg_dir):
+    from grace.formats import read_package
+
+    return read_package(build_bucket_package(pkg_dir / "buckets.grace"))
+
+
+@pytest.fixture(scope="module")
+def data_pkg(pkg_dir):
+    from grace.formats import read_package
+
+    return read_package(build_bucket_package(pkg_dir / "buckets_data.grace", data_output=True))
+
+
+def _rows(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, B_COLS)).astype(np.float32)
+
+
+@pytest.mark.parametrize("n, graph", [(1, "n=16"), (7, "n=16"), (16, "n=16"), (17, "n=32"), (32, "n=32"),
+                                      (33, "n=64"), (64, "n=64")])
+def test_bucket_package_is_exact_at_every_size(bucket_pkg, n, graph):
+    # arena and outputs NaN-poisoned (the default): padded rows of the bucket must never leak
+    x = _rows(n, seed=n)
+    out = run_package(bucket_pkg, {"x": x})
+    assert out.graph == graph and out.symbols == {"n": n}
+    assert out["out"].shape == (n, B_COLS)
+    np.testing.assert_array_equal(out["out"], bucket_reference(x, bucket_weights())["out"])
+
+
+def test_a_larger_bucket_gives_the_same_result(bucket_pkg):
+    x = _rows(5)
+    chosen = run_package(bucket_pkg, {"x": x})
+    largest = run_package(bucket_pkg, {"x": x}, graph="n=64")
+    assert (chosen.graph, largest.graph) == ("n=16", "n=64")
+    np.testing.assert_array_equal(chosen["out"], largest["out"])
+
+
+@pytest.mark.parametrize("n", [1, 12, 40, 64])
+def test_data_dependent_output_has_the_size_the_kernel_computed(data_pkg, n):
+    x = _rows(n, seed=100 + n)
+    out = run_package(data_pkg, {"x": x})
+    want = bucket_reference(x, bucket_weights(), data_output=True)
+    assert out.symbols == {"n": n, "k": len(want["head"])}
+    assert out["head"].shape == (len(want["head"]), B_COLS)
+    np.testing.assert_array_equal(out["out"], want["out"])
+    np.testing.assert_array_equal(out["head"], want["head"])
+
+
+def test_data_dependent_output_may_be_empty(data_pkg):
+    x = -np.abs(_rows(20))
+    out = run_package(data_pkg, {"x": x})
+    assert out.symbols["k"] == 0 and out["head"].shape == (0, B_COLS)
+
+
+@pytest.mark.parametrize("shape, match", [
+    ((0, B_COLS), r"input 'x': dim 0 is 0, but symbol 'n' must be in \[1, 64\]"),
+    ((65, B_COLS), r"input 'x': dim 0 is 65, but symbol 'n' must be in \[1, 64\] \(shape \[65, 8\], "
+                   r"expected \[n, 8\]\)"),
+    ((5, B_COLS + 1), r"input 'x': shape is \[5, 9\], expected \[n, 8\] \(dim 1 must be 8\)"),
+    ((5,), r"input 'x': rank is 1"),
+])
+def test_bucket_sizes_out_of_range_are_refused(bucket_pkg, shape, match):
+    with pytest.raises(InterpretError, match=match):
+        run_package(bucket_pkg, {"x": np.zeros(shape, np.float32)})
+
+
+def test_a_named_graph_must_cover_the_sizes(bucket_pkg):
+    with pytest.raises(InterpretError, match=r"graph 'n=16' cannot serve n=20"):
+        run_package(bucket_pkg, {"x": _rows(20)}, graph="n=16")
+    with pytest.raises(InterpretError, match=r"no graph named 'n=8'; graphs: n=16, n=32, n=64"):
+        run_package(bucket_pkg, {"x": _rows(2)}, graph="n=8")
+
+
+def test_unknown_input_lists_the_symbolic_shape(bucket_pkg):
+    with pytest.raises(InterpretError, match=r"unknown input 'y'; the package expects: x \(float32\[n, 8\]\)"):
+        run_package(bucket_pkg, {"y": _rows(2)})
 
 
 _STDLIB_KERNEL = '''

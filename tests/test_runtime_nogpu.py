@@ -2,7 +2,8 @@
 
 Three layers:
   * import hygiene and the no-device error (what CI sees for real);
-  * the pure parts: dtype tables, input validation, table words, arch choice, graph planning, DLPack;
+  * the pure parts: dtype tables, input validation, table words, arch choice, graph planning, DLPack
+    (the shape-bucket logic, runtime/shapes.py, is tested in test_runtime_buckets.py);
   * the whole load -> session -> run path against FakeDriver, a stand-in for cuda.bindings.driver
     whose "device memory" is host memory and whose graph calls are recorded. It checks what the
     runtime *asks* the driver (kernel parameters, copies, launches); whether the driver does the right
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import grace.runtime as rt
-from grace.runtime import dlpack, driver, dtypes, graph, validate
+from grace.runtime import dlpack, driver, dtypes, graph, shapes, validate
 from grace.runtime.arrays import DeviceArray, as_record
 from grace.runtime.errors import (InputError, InvalidPackageError, NoDeviceError, PackageMismatchError,
                                   StaleOutputError)
@@ -35,18 +36,21 @@ W_BYTES = ROWS * COLS * 4
 
 
 def manifest(**over) -> dict:
-    """out = x * 2 + w through the table; kernel 0 is the table writer. Binaries are fake bytes."""
+    """out = x * 2 + w through the table; kernel 0 is the table writer. Binaries are fake bytes.
+    A static package: no symbols, one graph with an empty bucket."""
     writer_params = [{"name": "table", "type": "*i64"}] + [{"name": f"w{k}", "type": "i64"} for k in range(N_WORDS)]
     m = {
-        "format_version": [1, 0],
+        "format_version": [2, 0],
         "producer": {"grace": "0.1.0"},
         "model": {"name": "scale_add"},
         "archs": ["sm_90"],
         "options": {},
+        "symbols": [],
         "inputs": [{"name": "x", "dtype": "float32", "shape": [ROWS, COLS], "slot": 0}],
         "outputs": [{"name": "out", "dtype": "float32", "shape": [ROWS, COLS], "slot": 1}],
         "table": {"nbytes": 96, "slots": [{"name": "x", "role": "input", "offset": 0, "rank": 2},
-                                          {"name": "out", "role": "output", "offset": 48, "rank": 2}]},
+                                          {"name": "out", "role": "output", "offset": 48, "rank": 2}],
+                  "extents": {"offset": 88, "count": 0}},
         "regions": {"weights": W_BYTES, "arena": 256, "table": 96},
         "weights": [{"name": "w", "dtype": "float32", "shape": [ROWS, COLS], "offset": 0, "nbytes": W_BYTES}],
         "arena_buffers": [],
@@ -60,7 +64,7 @@ def manifest(**over) -> dict:
              "num_warps": 4, "num_stages": 1, "shared": 0, "hidden_params": 2, "global_scratch_size": 0,
              "profile_scratch_size": 0, "binaries": {"sm_90": "cubin/k_scale_add.sm_90"}},
         ],
-        "graphs": [{"name": "main", "nodes": [
+        "graphs": [{"name": "main", "bucket": {}, "arena": 256, "nodes": [
             {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
              "args": [{"region": "table", "offset": 0, "nbytes": 96}] + [{"word": k} for k in range(N_WORDS)]},
             {"kernel": 1, "grid": [1, 1, 1], "deps": [0], "label": "scale_add",
@@ -151,19 +155,18 @@ def rec(ptr=0x10000, shape=(ROWS, COLS), strides=None, dtype="float32", device=0
 
 
 def check(r):
-    validate.check_array("input 'x'", r, "float32", (ROWS, COLS), 0)
+    validate.check_array("input 'x'", r, "float32", 0)
 
 
 def test_valid_record_passes():
     check(rec())
     check(rec(strides=(COLS, 1)))
     check(rec(device="cpu", ptr=3, strides=(1, ROWS)))  # host copies: layout does not matter
+    check(rec(shape=(7, 3, 2)))  # sizes are ShapePlan's business (inputs) or check_shape's (out=)
 
 
 @pytest.mark.parametrize("bad, message", [
     (rec(dtype="float16"), r"input 'x': dtype is float16, expected float32"),
-    (rec(shape=(ROWS * COLS,)), r"input 'x': rank is 1 .*expected rank 2"),
-    (rec(shape=(ROWS, COLS + 1)), r"input 'x': shape is \[4, 33\], expected \[4, 32\]"),
     (rec(strides=(1, ROWS)), r"input 'x': strides .* not C-contiguous.*contiguous\(\)"),
     (rec(ptr=0x10004), r"input 'x': data pointer 0x10004 is not 16-byte aligned"),
     (rec(device=1), r"input 'x': is on cuda:1, but the package is loaded on cuda:0"),
@@ -189,11 +192,16 @@ def test_out_arrays_must_be_writable_device_arrays():
         validate.check_writable("output 'out' (out=)", r)
 
 
+def test_check_shape_for_out_arrays():
+    validate.check_shape("output 'out' (out=)", (4, 32), (4, 32))
+    with pytest.raises(InputError, match=r"output 'out' \(out=\): shape is \[4, 31\], expected \[4, 32\]"):
+        validate.check_shape("output 'out' (out=)", (4, 31), (4, 32))
+
+
 def test_table_words():
     assert validate.contiguous_strides((2, 3, 4)) == (12, 4, 1)
-    assert validate.slot_words(0xABC0, (2, 3)) == [0xABC0, 2, 3, 3, 1]
-    assert validate.table_words([(2, 3), (5,), ()], [100, 200, 300]) == [100, 2, 3, 3, 1, 200, 5, 1, 300]
-    assert validate.pointer_word_indices([2, 1, 0]) == [0, 5, 8]
+    assert shapes.table_words([100, 200, 300], [(2, 3), (5,), ()]) == [100, 2, 3, 3, 1, 200, 5, 1, 300]
+    assert shapes.table_words([100], [(2, 3)], [7, 0]) == [100, 2, 3, 3, 1, 7, 0]  # symbol words last
 
 
 # ---------------------------------------------------------------------------- arrays in
@@ -302,9 +310,19 @@ def _node_arg(m, node, arg, value):
     return m
 
 
+def _graph_arena(m, arena):
+    m["graphs"][0]["arena"] = arena
+    return m
+
+
 @pytest.mark.parametrize("m, error, message", [
     (_node_arg(manifest(), 1, 1, {"region": "weights", "offset": 256, "nbytes": W_BYTES}),
      InvalidPackageError, "covers .* of region weights"),
+    (_node_arg(manifest(), 1, 1, {"region": "arena", "offset": 128, "nbytes": 256}),
+     InvalidPackageError, r"covers \[128, 384\) of region arena, but this graph's arena has 256 bytes"),
+    (_node_arg(_graph_arena(manifest(), 64), 1, 1, {"region": "arena", "offset": 0, "nbytes": 128}),
+     InvalidPackageError, "this graph's arena has 64 bytes"),
+    (_graph_arena(manifest(), 512), InvalidPackageError, "uses 512 bytes of arena, but the arena region has 256"),
     (_node_arg(manifest(), 0, 3, {"word": N_WORDS}), InvalidPackageError, "table has 10 words"),
     (_node_arg(manifest(), 1, 1, {"region": "state", "offset": 0}), PackageMismatchError, "region 'state'"),
 ])
@@ -326,16 +344,20 @@ class FakeDriver:
     """cuda.bindings.driver with host memory for device memory and a recorder for graph calls.
     Structs, handles and enums are the real ones."""
 
-    def __init__(self):
+    def __init__(self, n_params=None):
         from cuda.bindings import driver as real
 
         self._real = real
         self.ok = real.CUresult.CUDA_SUCCESS
         self.memory = {}          # address -> ctypes buffer
         self.functions = {}       # CUfunction int -> name
-        self.nodes = []           # (function name, grid, block, shared, kernelParams address)
+        self.nodes = []           # (function name, grid, block, shared, kernelParams address, deps, graph)
+        self.n_params = {"table_writer": 1 + N_WORDS + 2, **(n_params or {})}  # by kernel name
+        self.graphs = 0           # cuGraphCreate calls
+        self.instantiated = []    # graph handle per cuGraphInstantiate
         self.set_params = []      # (node index, kernelParams address) per SetParams
         self.launches = []        # writer parameter values at each launch
+        self.launched = []        # (exec handle, writer node index) per launch
         self.copies_htod = 0
 
     def __getattr__(self, name):
@@ -410,26 +432,34 @@ class FakeDriver:
     def cuEventRecord(self, e, s): return (self.ok,)
     def cuEventDestroy(self, e): return (self.ok,)
 
-    # graphs
-    def cuGraphCreate(self, flags): return (self.ok, self._real.CUgraph(0x7000))
+    # graphs: graph handles 0x7000 + k, their execs 0x8000 + k
+    def cuGraphCreate(self, flags):
+        self.graphs += 1
+        return (self.ok, self._real.CUgraph(0x7000 + self.graphs))
 
     def cuGraphAddKernelNode(self, g, deps, n, p):
         assert n == len(deps)
         self.nodes.append((self.functions[int(p.func)], (p.gridDimX, p.gridDimY, p.gridDimZ),
                            (p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes, p.kernelParams,
-                           [int(d) - 1 for d in deps]))
+                           [int(d) - 1 for d in deps], int(g)))
         return (self.ok, self._real.CUgraphNode(len(self.nodes)))
 
-    def cuGraphInstantiate(self, g, flags): return (self.ok, self._real.CUgraphExec(0x8000))
+    def cuGraphInstantiate(self, g, flags):
+        self.instantiated.append(int(g))
+        return (self.ok, self._real.CUgraphExec(int(g) + 0x1000))
+
     def cuGraphUpload(self, e, s): return (self.ok,)
 
     def cuGraphExecKernelNodeSetParams(self, e, node, p):
+        assert self.nodes[int(node) - 1][6] + 0x1000 == int(e), "SetParams on a node of another graph"
         self.set_params.append((int(node) - 1, p.kernelParams))
         return (self.ok,)
 
     def cuGraphLaunch(self, e, s):
         node, address = self.set_params[-1]
-        self.launches.append(read_params(address, 1 + N_WORDS + 2))
+        assert self.nodes[node][6] + 0x1000 == int(e), "launched a graph whose writer was not just set"
+        self.launches.append(read_params(address, self.n_params[self.nodes[node][0]]))
+        self.launched.append((int(e), node))
         return (self.ok,)
 
     def cuGraphExecDestroy(self, e): return (self.ok,)
@@ -463,16 +493,32 @@ def test_load_uploads_weights_and_plans_the_graph(fake, pkg):
     np.testing.assert_array_equal(uploaded.reshape(ROWS, COLS), WEIGHT)
 
 
-def test_session_builds_the_graph_from_the_manifest(fake, pkg):
+def test_session_builds_the_graph_from_the_manifest(fake, tmp_path):
+    pkg = rt.load(write(tmp_path / "m.grace"), instantiate="eager")
     sess = pkg.session(poison=True)
-    (w_name, w_grid, w_block, _, w_params, w_deps), (k_name, _, k_block, _, k_params, k_deps) = fake.nodes
+    assert sess.instantiations == {"main": 1} and sess.last_graph is None
+    (w_name, w_grid, w_block, _, w_params, w_deps, _), (k_name, _, k_block, _, k_params, k_deps, _) = fake.nodes
     assert (w_name, w_grid, w_block, w_deps) == ("table_writer", (1, 1, 1), (32, 1, 1), [])
     assert (k_name, k_block, k_deps) == ("k_scale_add", (128, 1, 1), [0])
     assert read_params(k_params, 5) == [sess._table, pkg.weights_ptr, sess._table + 48, 0, 0]
     writer = read_params(w_params, 1 + N_WORDS + 2)
-    assert writer == [sess._table, 0, ROWS, COLS, COLS, 1, sess._out_ptrs[0], ROWS, COLS, COLS, 1, 0, 0]
+    assert writer == [sess._table] + [0] * N_WORDS + [0, 0]  # every launch writes all words
     arena = (ctypes.c_uint8 * 256).from_address(sess._arena)
     assert set(arena) == {0xFF}
+    pkg.close()
+
+
+def test_lazy_session_builds_the_graph_on_the_first_run(fake, pkg):
+    sess = pkg.session()
+    assert fake.nodes == [] and sess.instantiations == {}
+    sess.run(np.ones((ROWS, COLS), np.float32))
+    sess.run(np.ones((ROWS, COLS), np.float32))
+    assert len(fake.nodes) == 2 and sess.instantiations == {"main": 1} and sess.last_graph == "main"
+
+
+def test_load_rejects_an_unknown_instantiate_mode(tmp_path):
+    with pytest.raises(ValueError, match=r"instantiate='sometimes': expected one of 'lazy', 'eager'"):
+        rt.load(tmp_path / "does-not-matter.grace", instantiate="sometimes")
 
 
 def test_run_writes_pointers_into_the_table_writer(fake, pkg):
@@ -481,7 +527,7 @@ def test_run_writes_pointers_into_the_table_writer(fake, pkg):
     out = sess.run(x)["out"]
     (launch,) = fake.launches
     staging = sess._staging["x"]
-    assert launch[1] == staging and launch[6] == sess._out_ptrs[0]
+    assert launch == [sess._table, staging, ROWS, COLS, COLS, 1, sess._out_ptrs[0], ROWS, COLS, COLS, 1, 0, 0]
     np.testing.assert_array_equal(
         np.ctypeslib.as_array((ctypes.c_float * (ROWS * COLS)).from_address(staging)), x.ravel())
 

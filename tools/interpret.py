@@ -1,18 +1,27 @@
 """CPU reference executor: run a package's own kernels with Triton's interpreter.
 
-`run_package` executes exactly what the GPU runtime would, on the CPU: the same memory plan (one
-byte tensor per region, sized from `regions`), the same argument table (written by the package's own
-table-writer kernel, node 0), and every graph node in order with its recorded grid and arguments.
-Region arguments become typed views into the region tensors; `{"word": i}` arguments are the table
-words (per slot: data pointer, sizes, strides in elements). User inputs and outputs live in host
-buffers reached only through the table, as on the device.
+`run_package` executes exactly what the GPU runtime would, on the CPU: the same choice of graph
+(grace.runtime.shapes: symbols resolved from the input shapes, the smallest bucket that fits), the
+same memory plan (one byte tensor per region; the arena sized by the graph's own `arena`), the same
+argument table (written by the package's own table-writer kernel, node 0), and every node of that
+graph in order with its recorded grid and arguments. Region arguments become typed views into the
+region tensors; `{"word": i}` arguments are the table words (per slot: data pointer, true sizes,
+strides in elements; then one word per symbol). User inputs and outputs live in host buffers of
+their true size (a data-dependent output dim: the graph's bound), reached only through the table,
+as on the device.
 
-With `poison=True` (the default) the arena is filled with 0xFF bytes before the first node: NaN in
-every float format, -1 in every integer format. A kernel that reads memory nobody wrote shows up as
-NaN in the outputs instead of passing by luck.
+With `poison=True` (the default) the arena, the table and the output buffers are filled with 0xFF
+bytes before the first node: NaN in every float format, -1 in every integer format. A kernel that
+reads memory nobody wrote shows up as NaN in the outputs instead of passing by luck. The table's
+extents words are set to -1 in any case before the table writer runs; a data symbol outside [0, its
+bound] after the run (-1: never written) is reported as an error.
+
+Outputs come back with their true shapes: an output whose dim 0 is a data symbol is cut to the value
+a kernel wrote into the extents words. The result is a dict that also says which graph ran
+(`InterpretResult.graph`) and the symbol values (`.symbols`).
 
 Limits: Triton 3.6's interpreter computes wrong results for bfloat16 (see docs/architecture.md), so
-packages touching bf16 are refused. Only the first graph (or the one named by `graph=`) runs.
+packages touching bf16 are refused.
 
 This module imports torch and triton; `grace.runtime` never imports it.
 """
@@ -30,11 +39,21 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["InterpretError", "run_package", "table_words"]
+__all__ = ["InterpretError", "InterpretResult", "run_package", "table_words"]
 
 
 class InterpretError(ValueError):
     """The package or the inputs cannot be executed by the CPU reference executor."""
+
+
+class InterpretResult(dict):
+    """{output name: numpy array} of one run, plus what ran: `graph` (its name) and `symbols`
+    ({symbol name: value}, data symbols as computed by the kernels)."""
+
+    def __init__(self, outputs, graph: str, symbols: dict):
+        super().__init__(outputs)
+        self.graph = graph
+        self.symbols = symbols
 
 
 # manifest dtype name -> (numpy dtype, torch dtype name)
@@ -76,10 +95,6 @@ def _torch_dtype(name: str):
     import torch
 
     return getattr(torch, _DTYPES[name][1])
-
-
-def _shape_str(dtype: str, shape) -> str:
-    return f"{dtype}[{', '.join(str(d) for d in shape)}]"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,16 +254,16 @@ def _check_no_bf16(manifest: Mapping) -> None:
         raise InterpretError(f"package uses bfloat16 ({first}): {_BF16_REASON}")
 
 
-def _static_shape(t: Mapping, what: str) -> list[int]:
-    shape = list(t.get("shape", []))
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise InterpretError(f"{what} {t.get('name')!r} has a non-static shape {shape}; not supported by the interpreter")
-    return shape
+def _shape_text(shape) -> str:
+    from grace.formats.shapes import format_shape_expr
+
+    return ", ".join(format_shape_expr(d) for d in shape)
 
 
 def _check_inputs(manifest: Mapping, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Names and dtypes; the shapes are checked by the runtime's ShapePlan (see `_resolve`)."""
     specs = manifest.get("inputs", []) or []
-    expected = ", ".join(f"{s['name']} ({_shape_str(s['dtype'], s['shape'])})" for s in specs) or "none"
+    expected = ", ".join(f"{s['name']} ({s['dtype']}[{_shape_text(s['shape'])}])" for s in specs) or "none"
     names = {s["name"] for s in specs}
     unknown = [n for n in inputs if n not in names]
     if unknown:
@@ -259,7 +274,6 @@ def _check_inputs(manifest: Mapping, inputs: Mapping[str, Any]) -> dict[str, np.
     out = {}
     for s in specs:
         name, dtype = s["name"], s["dtype"]
-        shape = _static_shape(s, "input")
         value = inputs[name]
         if type(value).__module__.startswith("torch"):
             if str(value.dtype) == "torch.bfloat16":
@@ -271,23 +285,51 @@ def _check_inputs(manifest: Mapping, inputs: Mapping[str, Any]) -> dict[str, np.
         want = np.dtype(_DTYPES[dtype][0])
         if arr.dtype != want:
             raise InterpretError(f"input {name!r}: dtype {arr.dtype} does not match the package's {dtype}")
-        if list(arr.shape) != shape:
-            raise InterpretError(
-                f"input {name!r}: shape {list(arr.shape)} does not match the package's {shape}"
-            )
         out[name] = arr
     return out
 
 
-def table_words(manifest: Mapping, buffers: Mapping[str, Any]) -> list[int]:
+@contextlib.contextmanager
+def _as_interpret_errors():
+    """The runtime's InputError (bad sizes) surfaces as this module's InterpretError."""
+    from grace.runtime.errors import InputError
+
+    try:
+        yield
+    except InputError as e:
+        raise InterpretError(str(e)) from None
+
+
+def _resolve(plan, manifest: Mapping, arrays: Mapping[str, np.ndarray], graph: str | None) -> tuple[list, int]:
+    """(symbol values, graph index) by the runtime's rules; `graph` names a graph to use instead of
+    the selected one (it must still cover the values)."""
+    with _as_interpret_errors():
+        values = plan.resolve([arrays[s["name"]].shape for s in manifest["inputs"]])
+        chosen = plan.select(values)
+    if graph is None:
+        return values, chosen
+    if graph not in plan.graph_names:
+        raise InterpretError(f"no graph named {graph!r}; graphs: {', '.join(plan.graph_names)}")
+    g = plan.graph_names.index(graph)
+    bounds = plan.bounds(g)
+    if any(values[k] > bounds[k] for k in plan.input_symbols):
+        raise InterpretError(f"graph {graph!r} cannot serve {plan.describe(values)} (its bucket: "
+                             f"{manifest['graphs'][g]['bucket']})")
+    return values, g
+
+
+def table_words(manifest: Mapping, buffers: Mapping[str, Any], values=None) -> list[int]:
     """The table words for one call, laid out by the runtime's own code (same table, same words).
 
-    `buffers` maps a slot's name to the contiguous torch tensor the slot points at.
+    `buffers` maps a slot's name to the contiguous torch tensor the slot points at (its shape is the
+    slot's sizes); `values` are the symbol words (default: all 0).
     """
-    from grace.runtime.validate import table_words as words_of
+    from grace.runtime.shapes import table_words as words_of
 
     tensors = [buffers[slot["name"]] for slot in manifest["table"]["slots"]]
-    return words_of([tuple(t.shape) for t in tensors], [t.data_ptr() for t in tensors])
+    if values is None:
+        values = [0] * len(manifest["symbols"])
+    return words_of([t.data_ptr() for t in tensors], [tuple(t.shape) for t in tensors], values)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,66 +394,106 @@ def run_package(
     *,
     poison: bool = True,
     graph: str | None = None,
-) -> dict[str, np.ndarray]:
-    """Run a `.grace` package on the CPU with Triton's interpreter; return its outputs (numpy copies).
+) -> InterpretResult:
+    """Run a `.grace` package on the CPU with Triton's interpreter; return its outputs (numpy copies
+    with their true shapes) as an InterpretResult, which also names the graph that ran.
 
     `package_or_path` is a path or a `grace.formats.Package`. `inputs` maps every input name to a
-    numpy array (or CPU torch tensor) of exactly the package's dtype and shape.
+    numpy array (or CPU torch tensor) of the package's dtype, of any size its symbols allow. The
+    graph is selected as the GPU runtime selects it; `graph=` names another one that covers the sizes.
     """
-    import torch
+    from grace.runtime.shapes import ShapePlan
 
     package = _open(package_or_path)
     manifest = package.manifest
     _check_no_bf16(manifest)
     arrays = _check_inputs(manifest, inputs)
+    plan = ShapePlan(manifest)
+    values, gi = _resolve(plan, manifest, arrays, graph)
+    g = manifest["graphs"][gi]
 
-    graphs = manifest.get("graphs", []) or []
-    if not graphs:
-        raise InterpretError("package has no graphs")
-    if graph is None:
-        g = graphs[0]
-    else:
-        found = [x for x in graphs if x.get("name") == graph]
-        if not found:
-            raise InterpretError(f"no graph named {graph!r}; graphs: {', '.join(str(x.get('name')) for x in graphs)}")
-        g = found[0]
+    regions = _make_regions(package, g, poison)
+    extents = _extents(manifest, regions["table"])
+    extents.fill_(-1)  # until the table writer sets them: a symbol word it misses shows as -1
+    with _as_interpret_errors():
+        out_shapes = plan.output_shapes(values, gi)
+    buffers = _io_buffers(manifest, arrays, out_shapes, poison)
+    words = table_words(manifest, buffers, values)
 
-    # Regions: one byte tensor each, sized from the memory plan.
-    regions: dict[str, Any] = {}
-    for name, nbytes in (manifest.get("regions") or {}).items():
-        nbytes = int(nbytes)
-        if name == "weights":
-            regions[name] = torch.zeros(nbytes, dtype=torch.uint8)
-        elif poison:
-            regions[name] = torch.full((nbytes,), 0xFF, dtype=torch.uint8)
-        else:
-            regions[name] = torch.zeros(nbytes, dtype=torch.uint8)
-    if "weights" in regions:
-        _fill_weights(package, regions["weights"])
+    with _interpret_mode():
+        for i, node in enumerate(g["nodes"]):
+            _run_node(package, manifest["kernels"], g, i, node, regions, words)
 
-    # Host buffers for user I/O, reached only through the table.
+    values = _data_symbols(plan, gi, values, extents)
+    outputs = {s["name"]: _cut(buffers[s["name"]], plan.output_shape(o, values))
+               for o, s in enumerate(manifest["outputs"])}
+    return InterpretResult(outputs, g["name"], dict(zip(plan.symbols, values)))
+
+
+def _make_regions(package, g: Mapping, poison: bool) -> dict[str, Any]:
+    """One byte tensor per region: the weights uploaded, the arena as large as graph `g` uses it
+    (an argument past that fails like on the GPU), the table; arena and table poisoned on request."""
+    import torch
+
+    sizes = {**package.manifest["regions"], "arena": g["arena"]}
+    fill = 0xFF if poison else 0
+    regions = {name: torch.full((int(n),), 0 if name == "weights" else fill, dtype=torch.uint8)
+               for name, n in sizes.items()}
+    _fill_weights(package, regions["weights"])
+    return regions
+
+
+def _extents(manifest: Mapping, table):
+    """The symbol words of the table region, as an int64 tensor view (symbol k at index k)."""
+    import torch
+
+    ext = manifest["table"]["extents"]
+    off, count = int(ext["offset"]), int(ext["count"])
+    return table[off:off + 8 * count].view(torch.int64)
+
+
+def _io_buffers(manifest: Mapping, arrays: Mapping[str, np.ndarray], out_shapes, poison: bool) -> dict[str, Any]:
+    """Host buffers for user I/O, reached only through the table: inputs copied at their true size,
+    outputs at this call's shape (data-symbol dims at the graph's bound), poisoned on request so an
+    element the graph never writes shows as NaN."""
+    import torch
+
     buffers: dict[str, Any] = {}
-    for s in manifest.get("inputs", []) or []:
-        buffers[s["name"]] = torch.from_numpy(np.ascontiguousarray(arrays[s["name"]]).copy())
-    for s in manifest.get("outputs", []) or []:
+    for s in manifest["inputs"]:
+        buffers[s["name"]] = torch.from_numpy(np.array(arrays[s["name"]], order="C", copy=True))  # 0-d stays 0-d
+    for s, shape in zip(manifest["outputs"], out_shapes):
         if s["dtype"] not in _DTYPES:
             raise InterpretError(f"output {s['name']!r}: unknown dtype {s['dtype']!r}")
-        shape = _static_shape(s, "output")
         nbytes = _numel(shape) * _itemsize(s["dtype"])
-        fill = 0xFF if poison else 0  # outputs too: a slot element the graph never writes shows as NaN
-        buf = torch.full((nbytes,), fill, dtype=torch.uint8).view(_torch_dtype(s["dtype"])).view(shape)
-        buffers[s["name"]] = buf
+        raw = torch.full((nbytes,), 0xFF if poison else 0, dtype=torch.uint8)
+        buffers[s["name"]] = raw.view(_torch_dtype(s["dtype"])).view(shape)
     missing = [sl["name"] for sl in manifest["table"]["slots"] if sl["name"] not in buffers]
     if missing:
         raise InterpretError(f"table slot {missing[0]!r} is neither an input nor an output")
-    words = table_words(manifest, buffers)
+    return buffers
 
-    kernels = manifest.get("kernels", []) or []
-    with _interpret_mode():
-        for i, node in enumerate(g.get("nodes", []) or []):
-            _run_node(package, kernels, g, i, node, regions, words)
 
-    return {s["name"]: buffers[s["name"]].numpy().copy() for s in manifest.get("outputs", []) or []}
+def _data_symbols(plan, g: int, values: list, extents) -> list:
+    """`values` with every data symbol read from the extents words after the run; each must lie in
+    [0, its bound in graph g] (-1: no kernel wrote it)."""
+    values = list(values)
+    bounds = plan.bounds(g)
+    for k in plan.data_symbols:
+        v = int(extents[k])
+        if not 0 <= v <= bounds[k]:
+            raise InterpretError(f"data symbol {plan.symbols[k]!r} is {v} after graph {plan.graph_names[g]!r} ran, "
+                                 f"outside [0, {bounds[k]}] (its bound in this graph)"
+                                 + ("; no kernel wrote it" if v == -1 else ""))
+        values[k] = v
+    return values
+
+
+def _cut(buffer, shape) -> np.ndarray:
+    """A numpy copy of an output buffer at its true shape (only dim 0 can be smaller: a data symbol)."""
+    arr = buffer.numpy()
+    if tuple(arr.shape) != tuple(shape):
+        arr = arr[: shape[0]]
+    return arr.copy()
 
 
 def _run_node(package, kernels, g, i: int, node, regions, words: list[int]) -> None:

@@ -1,21 +1,34 @@
-"""The runtime on a real GPU, with a package built by hand (no grace.aot).
+"""The runtime on a real GPU, with packages built by hand (no grace.aot). Run with `pytest -m gpu`.
+
+1. A static package (format 2.0, no symbols):
 
     out = x * 2 + w        x: [4, 32] float32 input, w: [4, 32] weight, out: [4, 32] output
 
-Two Triton kernels compiled here for this GPU's arch: the table writer (node 0) and k_scale_add
-(node 1), which reaches x and out only through their argument-table slots. Run with `pytest -m gpu`.
+   Two Triton kernels compiled here for this GPU's arch: the table writer (node 0) and k_scale_add
+   (node 1), which reaches x and out only through their argument-table slots.
+
+2. The shape-bucket package of tests/helpers_handmade.py (`build_bucket_package`), compiled for this
+   GPU's arch: out[n, 8] = x[n, 8] * 2 + b, n in [1, 64] served by graphs n=16/32/64, and head[k, 8]
+   = out[:k] with k = #{r < n : x[r, 0] > 0} computed on the device (a data symbol).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import pathlib
 import sys
 
 import numpy as np
 import pytest
 
 from grace.runtime import InputError, NoDeviceError, StaleOutputError, driver, load
+
+try:
+    from tests.helpers_handmade import B_COLS, build_bucket_package, bucket_reference, bucket_weights
+except ImportError:  # run from another directory: tests/ is the parent of this file's directory
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from helpers_handmade import B_COLS, build_bucket_package, bucket_reference, bucket_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -103,22 +116,24 @@ def package_path(tmp_path_factory, capability):
     sections["weights"] = encode_weights({"w": ("float32", WEIGHT.shape, WEIGHT.tobytes())})
     table_arg = lambda off, nbytes=8: {"region": "table", "offset": off, "nbytes": nbytes, "dtype": "int64"}  # noqa: E731
     manifest = {
-        "format_version": [1, 0],
+        "format_version": [2, 0],
         "producer": {"grace": "0.1.0", "handmade": True},
         "model": {"name": "scale_add"},
         "archs": [arch],
         "options": {},
+        "symbols": [],
         "inputs": [{"name": "x", "dtype": "float32", "shape": [ROWS, COLS], "slot": 0}],
         "outputs": [{"name": "out", "dtype": "float32", "shape": [ROWS, COLS], "slot": 1}],
         "table": {"nbytes": TABLE_NBYTES, "slots": [
             {"name": "x", "role": "input", "offset": SLOT_OFFSETS[0], "rank": 2},
-            {"name": "out", "role": "output", "offset": SLOT_OFFSETS[1], "rank": 2}]},
+            {"name": "out", "role": "output", "offset": SLOT_OFFSETS[1], "rank": 2}],
+            "extents": {"offset": TABLE_NBYTES, "count": 0}},
         "regions": {"weights": NBYTES, "arena": 256, "table": TABLE_NBYTES},
         "weights": [{"name": "w", "dtype": "float32", "shape": [ROWS, COLS], "offset": 0, "nbytes": NBYTES}],
         "arena_buffers": [],
         "kernels": [_kernel_entry("table_writer", "table_writer", *kernels["table_writer"], arch),
                     _kernel_entry("k_scale_add", "pointwise", *kernels["k_scale_add"], arch)],
-        "graphs": [{"name": "main", "nodes": [
+        "graphs": [{"name": "main", "bucket": {}, "arena": 256, "nodes": [
             {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
              "args": [table_arg(0, TABLE_NBYTES)] + [{"word": k} for k in range(N_WORDS)]},
             {"kernel": 1, "grid": [1, 1, 1], "deps": [0], "label": "scale_add",
@@ -237,5 +252,115 @@ def test_two_sessions_are_independent(package_path):
         o1, o2 = s1.run(a)["out"], s2.run(b)["out"]
         np.testing.assert_allclose(o1.numpy(), expected(a), rtol=1e-6)
         np.testing.assert_allclose(o2.numpy(), expected(b), rtol=1e-6)
+    finally:
+        pkg.close()
+
+
+# ------------------------------------------------------------------------------- shape buckets
+
+@pytest.fixture(scope="module")
+def bucket_path(tmp_path_factory, capability):
+    arch = f"sm_{capability[0]}{capability[1]}"
+    return build_bucket_package(tmp_path_factory.mktemp("buckets") / "buckets.grace", archs=(arch,),
+                                data_output=True)
+
+
+def _rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, B_COLS)).astype(np.float32)
+
+
+def _check(outs: dict, x: np.ndarray) -> None:
+    want = bucket_reference(x, bucket_weights(), data_output=True)
+    assert outs["out"].shape == want["out"].shape
+    np.testing.assert_allclose(outs["out"].numpy(), want["out"], rtol=1e-6, atol=0)
+    assert outs["head"].shape == want["head"].shape  # read from the device table (data symbol k)
+    np.testing.assert_allclose(outs["head"].numpy(), want["head"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("n, graph", [(1, "n=16"), (17, "n=32"), (64, "n=64")])
+def test_bucket_sizes(bucket_path, n, graph):
+    pkg = load(bucket_path)
+    try:
+        sess = pkg.session(poison=True)  # NaN arena and outputs: padded rows must never leak
+        x = _rows(n, seed=n)
+        outs = sess.run(x)
+        assert sess.last_graph == graph
+        _check(outs, x)
+        assert sess.instantiations == {graph: 1}
+    finally:
+        pkg.close()
+
+
+def test_no_graph_is_rebuilt_while_sizes_vary_inside_a_bucket(bucket_path):
+    pkg = load(bucket_path)
+    try:
+        sess = pkg.session(poison=True)
+        for n in range(1, 17):
+            x = _rows(n, seed=n)
+            _check(sess.run(x), x)
+        assert sess.instantiations == {"n=16": 1}
+        for n in (17, 25, 32, 3, 30, 16):
+            x = _rows(n, seed=100 + n)
+            _check(sess.run(x), x)
+        assert sess.instantiations == {"n=16": 1, "n=32": 1}
+        for n in (64, 33, 1, 50):
+            x = _rows(n, seed=200 + n)
+            _check(sess.run(x), x)
+        assert sess.instantiations == {"n=16": 1, "n=32": 1, "n=64": 1}
+    finally:
+        pkg.close()
+
+
+def test_eager_instantiation(bucket_path):
+    pkg = load(bucket_path, instantiate="eager")
+    try:
+        sess = pkg.session()
+        assert sess.instantiations == {"n=16": 1, "n=32": 1, "n=64": 1}
+        for n in (64, 5, 20):
+            x = _rows(n, seed=n)
+            _check(sess.run(x), x)
+        assert sess.instantiations == {"n=16": 1, "n=32": 1, "n=64": 1}
+    finally:
+        pkg.close()
+
+
+def test_bucket_torch_inputs_and_dlpack_outputs(bucket_path, torch):
+    pkg = load(bucket_path)
+    try:
+        sess = pkg.session(poison=True)
+        b = torch.from_numpy(bucket_weights()["b"]).cuda()
+        for n in (9, 40):
+            x = torch.randn(n, B_COLS, device="cuda")
+            outs = sess.run(x=x)
+            out = torch.from_dlpack(outs["out"])
+            assert tuple(out.shape) == (n, B_COLS)
+            torch.testing.assert_close(out, x * 2 + b)
+            head = torch.from_dlpack(outs["head"])  # the shape read happens here
+            k = int((x[:, 0] > 0).sum())
+            assert tuple(head.shape) == (k, B_COLS)
+            torch.testing.assert_close(head, (x * 2 + b)[:k])
+        # out= with this call's true shape
+        x = torch.randn(12, B_COLS, device="cuda")
+        target = torch.full((12, B_COLS), float("nan"), device="cuda")
+        assert sess.run(x=x, out={"out": target})["out"] is target
+        sess.sync()
+        torch.testing.assert_close(target, x * 2 + b)
+    finally:
+        pkg.close()
+
+
+def test_bucket_sizes_out_of_range_fail_before_launch(bucket_path):
+    pkg = load(bucket_path)
+    try:
+        sess = pkg.session()
+        x = _rows(10)
+        good = sess.run(x)
+        for bad, message in [(_rows(65), r"dim 0 is 65, but symbol 'n' must be in \[1, 64\]"),
+                             (np.zeros((0, B_COLS), np.float32), r"dim 0 is 0"),
+                             (np.zeros((4, B_COLS + 1), np.float32), r"dim 1 must be 8")]:
+            with pytest.raises(InputError, match=message):
+                sess.run(bad)
+        _check(good, x)  # nothing ran: the earlier outputs are not stale
+        assert sess.instantiations == {"n=16": 1}
     finally:
         pkg.close()
