@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, Writer
+from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, Writer, and_mask, factor_terms
 from .ir import Kernel, numel
+from .shapes import is_prefix, true_size
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
 
@@ -36,9 +37,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def generate(kernel: Kernel) -> KernelSource:
+def generate(kernel: Kernel, symbols: dict | None = None) -> KernelSource:
+    """`symbols`: size symbol -> word of the extents table (dynamic programs)."""
     template = TEMPLATES[kernel.family]
-    w = Writer()
+    w = Writer(symbols)
     grid, num_warps, num_stages = template(kernel, w)
     names = w.param_names()
     lines = [f"def KERNEL({', '.join(names)}):"]
@@ -54,8 +56,36 @@ def generate(kernel: Kernel) -> KernelSource:
 def _store(w: Writer, kernel: Kernel, value: str, ctx: Ctx, shape_expr: str):
     ptr = w.ptr(kernel.out)
     out_t = TL_TYPE[kernel.out.dtype]
-    mask = "" if ctx.mask == "None" else f", mask={ctx.mask}"
-    w.emit(f"tl.store({ptr} + {ctx.linear}, tl.broadcast_to({value}, {shape_expr}).to({out_t}){mask})")
+    addr, masks = ctx.linear, [] if ctx.mask == "None" else [ctx.mask]
+    if kernel.out.dynamic:
+        # a user tensor of the true size: its runtime strides (fusion leaves these stores to a
+        # pointwise kernel over the output's own shape)
+        assert tuple(ctx.shape) == tuple(kernel.out.shape), (ctx.shape, kernel.out.shape)
+        addr, bounds = w.user_address(kernel.out, [ctx.dim(d) for d in range(len(ctx.shape))])
+        masks = [f"({m})" for m in masks] + bounds
+    mask = f", mask={' & '.join(masks)}" if masks else ""
+    w.emit(f"tl.store({ptr} + {addr}, tl.broadcast_to({value}, {shape_expr}).to({out_t}){mask})")
+
+
+def _exit_beyond(w: Writer, entry, start: str):
+    """Return early from a program whose tile starts past the real elements of a dimension whose
+    valid indices are a prefix (padding is never computed)."""
+    if entry is not None and is_prefix(entry):
+        w.emit(f"if {start} >= {w.extent(true_size(entry, 0))}:")
+        w.emit("    return")
+
+
+def _exit_outer(w: Writer, shape, ext, first_flat: str):
+    """Early exit for a flat (row-major) block starting at `first_flat`, when the outermost
+    dimension that is not 1 is dynamic with a prefix of valid indices."""
+    outer = next((d for d, size in enumerate(shape) if size != 1), None)
+    if outer is not None and ext[outer] is not None:
+        _exit_beyond(w, ext[outer], f"{first_flat} // {numel(shape[outer + 1:])}")
+
+
+def _dim_valid(w: Writer, entry, idx: str) -> str | None:
+    terms = factor_terms(w, entry, idx) if entry is not None else []
+    return " & ".join(terms) if terms else None
 
 
 # ---- pointwise --------------------------------------------------------------------------------
@@ -67,6 +97,9 @@ def pointwise(kernel: Kernel, w: Writer):
     mask = _mask(w, "mask", None if n % block == 0 else f"offs < {n}")
     w.emit(f"zero = tl.zeros([{block}], tl.int32)")
     ctx = Ctx(w, kernel.out_shape, linear="offs", mask=mask, zero="zero")
+    if kernel.ext is not None:
+        _exit_outer(w, kernel.out_shape, kernel.ext, f"tl.program_id(0) * {block}")
+        ctx.mask = and_mask(w, "valid", mask, ctx.valid(kernel.ext))
     value = ExprEmitter(w).value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{block}]")
     return (cdiv(n, block), 1, 1), (4 if block >= 512 else 2 if block >= 128 else 1), 1
@@ -88,16 +121,23 @@ def reduction(kernel: Kernel, w: Writer):
     if not acc_t.startswith("float") and op != "sum":
         init = "-9223372036854775807" if op == "max" else "9223372036854775807"
     tl_acc = TL_TYPE[acc_t]
+    src_ext = inp.get("src_ext") or (None,) * len(src_shape)
     w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
     w.emit(f"rmask = rows < {rows}")
+    kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
+    rvalid = kept_ctx.valid([src_ext[d] for d in kept])
+    if rvalid:
+        w.emit(f"rmask = rmask & {rvalid}")
     w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
     w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})")
     w.emit(f"for start in range(0, {cols}, {bn}):")
     w.indent += 1
     w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
     w.emit(f"mask = rmask & (cols < {cols})")
-    kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
     red_ctx = Ctx(w, [src_shape[d] for d in rdims], linear="cols")
+    cvalid = red_ctx.valid([src_ext[d] for d in rdims])
+    if cvalid:
+        w.emit(f"mask = mask & {cvalid}")
     dims = [None] * len(src_shape)
     for i, d in enumerate(kept):
         dims[d] = kept_ctx.dim(i)
@@ -116,6 +156,9 @@ def reduction(kernel: Kernel, w: Writer):
     w.emit(f"omask = orow < {rows}")
     w.emit(f"ozero = tl.zeros([{br}], tl.int32)")
     out_ctx = Ctx(w, kernel.out_shape, linear="orow", mask="omask", zero="ozero")
+    ovalid = out_ctx.valid(kernel.ext)
+    if ovalid:
+        w.emit(f"omask = omask & {ovalid}")
     value = ExprEmitter(w, acc="red").value(kernel.epilogue, out_ctx)
     _store(w, kernel, value, out_ctx, f"[{br}]")
     return (cdiv(rows, br), 1, 1), 4, 1
@@ -127,8 +170,13 @@ def _row_setup(kernel: Kernel, w: Writer, shape):
     rows = numel(shape) // cols
     bn = min(next_pow2(max(cols, 2)), 4096)
     br = max(1, min(next_pow2(rows), 2048 // bn, 16))
+    ext = kernel.ext or (None,) * len(shape)
+    _exit_outer(w, shape[:-1], ext[:-1], f"tl.program_id(0) * {br}")
     w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
     w.emit(f"rmask = rows < {rows}")
+    rvalid = Ctx(w, shape[:-1], linear="rows").valid(ext[:-1])
+    if rvalid:
+        w.emit(f"rmask = rmask & {rvalid}")
     w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
     return rows, cols, br, bn
 
@@ -138,11 +186,14 @@ def _row_ctx(w: Writer, shape, cols, mask="mask"):
     return Ctx(w, shape, linear=f"(rows * {cols} + cols)", mask=mask, zero="zero")
 
 
-def _row_loop(w: Writer, cols, bn):
+def _row_loop(w: Writer, cols, bn, col_entry=None):
     w.emit(f"for start in range(0, {cols}, {bn}):")
     w.indent += 1
     w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
     w.emit(f"mask = rmask & (cols < {cols})")
+    cvalid = _dim_valid(w, col_entry, "cols")
+    if cvalid:
+        w.emit(f"mask = mask & {cvalid}")
 
 
 def softmax(kernel: Kernel, w: Writer):
@@ -151,7 +202,8 @@ def softmax(kernel: Kernel, w: Writer):
     src = kernel.inputs["src"]
     w.emit(f"m = tl.full([{br}, 1], -float(\"inf\"), tl.float32)")
     w.emit(f"s = tl.zeros([{br}, 1], tl.float32)")
-    _row_loop(w, cols, bn)
+    col_entry = kernel.ext[-1] if kernel.ext else None
+    _row_loop(w, cols, bn, col_entry)
     x = ExprEmitter(w).value(src, _row_ctx(w, shape, cols))
     w.emit(f"x = tl.where(mask, {x}.to(tl.float32), -float(\"inf\"))")
     w.emit("m_new = tl.maximum(m, tl.max(x, axis=1)[:, None])")
@@ -159,7 +211,7 @@ def softmax(kernel: Kernel, w: Writer):
     w.emit("s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=1)[:, None]")
     w.emit("m = m_new")
     w.indent -= 1
-    _row_loop(w, cols, bn)
+    _row_loop(w, cols, bn, col_entry)
     ctx = _row_ctx(w, shape, cols)
     x = ExprEmitter(w).value(src, ctx)
     if kernel.inputs["log"]:
@@ -234,19 +286,31 @@ def matmul(kernel: Kernel, w: Writer):
         w.emit("bz = tl.program_id(2)")
         w.emit("k_lo = 0")
         chunk = k
+    ext = kernel.ext or (None, None, None)
+    k_ext = inp.get("k_ext")
+    _exit_beyond(w, ext[1], f"tl.program_id(0) * {bm}")
+    _exit_beyond(w, ext[0], "bz")
     w.emit(f"zero_a = tl.zeros([{bm}, {bk}], tl.int32)")
     w.emit(f"zero_b = tl.zeros([{bk}, {bn}], tl.int32)")
     w.emit(f"acc = tl.zeros([{bm}, {bn}], tl.float32)")
+    # Masks only where a tile can overrun or padding begins: a mask Triton cannot prove constant
+    # along the contiguous axis turns 16-byte vector loads into scalar ones.
+    m_term = _and_terms(None if m % bm == 0 else f"(rm[:, None] < {m})",
+                        _dim_valid(w, ext[1], "rm[:, None]"), _dim_valid(w, ext[0], "bz"))
+    n_term = _and_terms(None if n % bn == 0 else f"(rn[None, :] < {n})",
+                        _dim_valid(w, ext[2], "rn[None, :]"))
     w.emit(f"for kk in range(0, {chunk}, {bk}):")   # static bounds: the interpreter needs them
     w.indent += 1
+    skip_k = k_ext is not None and is_prefix(k_ext)
+    if skip_k:   # K blocks past the true K are all padding
+        w.emit(f"if k_lo + kk < {w.extent(true_size(k_ext, 0))}:")
+        w.indent += 1
     w.emit(f"rk = k_lo + kk + tl.arange(0, {bk})")
-    # Masks only where a tile can overrun: a mask Triton cannot prove constant along the
-    # contiguous axis turns 16-byte vector loads into scalar ones.
-    even_k = k % (bk * split) == 0 and chunk % bk == 0
-    m_term = None if m % bm == 0 else f"(rm[:, None] < {m})"
-    n_term = None if n % bn == 0 else f"(rn[None, :] < {n})"
-    mask_a = _mask(w, "mask_a", m_term, None if even_k else f"(rk[None, :] < {k})")
-    mask_b = _mask(w, "mask_b", None if even_k else f"(rk[:, None] < {k})", n_term)
+    even_k = k % (bk * split) == 0 and chunk % bk == 0 and k_ext is None
+    mask_a = _mask(w, "mask_a", m_term, None if even_k else
+                   _and_terms(f"(rk[None, :] < {k})", _dim_valid(w, k_ext, "rk[None, :]")))
+    mask_b = _mask(w, "mask_b", None if even_k else
+                   _and_terms(f"(rk[:, None] < {k})", _dim_valid(w, k_ext, "rk[:, None]")), n_term)
     actx = Ctx(w, (batch, m, k), ["bz", "rm[:, None]", "rk[None, :]"], mask=mask_a,
                zero="zero_a")
     bctx = Ctx(w, (batch, k, n), ["bz", "rk[:, None]", "rn[None, :]"], mask=mask_b,
@@ -257,7 +321,7 @@ def matmul(kernel: Kernel, w: Writer):
     w.emit(f"a = {_masked(a, mask_a)}.to({tl_dot})")
     w.emit(f"b = {_masked(b, mask_b)}.to({tl_dot})")
     w.emit(f"acc = tl.dot(a, b, acc{prec})")
-    w.indent -= 1
+    w.indent -= 2 if skip_k else 1
     mask = _mask(w, "mask", m_term, n_term)
     w.emit(f"zero = tl.zeros([{bm}, {bn}], tl.int32)")
     if split > 1:
@@ -282,6 +346,11 @@ def _mask(w: Writer, name: str, *terms) -> str:
         return "None"
     w.emit(f"{name} = {' & '.join(terms)}")
     return name
+
+
+def _and_terms(*terms) -> str | None:
+    terms = [t for t in terms if t]
+    return " & ".join(terms) if terms else None
 
 
 def _masked(value: str, mask: str) -> str:
@@ -335,7 +404,14 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"ih = bh % {h}")
     w.emit(f"rd = tl.arange(0, {bd})")
     w.emit(f"rdv = tl.arange(0, {bdv})")
-    m_term = None if lq % bm == 0 else f"(rm[:, None] < {lq})"
+    ext = kernel.ext or (None,) * 4
+    lk_ext = p.get("lk_ext")
+    _exit_beyond(w, ext[2], f"tl.program_id(0) * {bm}")
+    _exit_beyond(w, ext[0], "ib")
+    _exit_beyond(w, ext[1], "ih")
+    m_term = _and_terms(None if lq % bm == 0 else f"(rm[:, None] < {lq})",
+                        _dim_valid(w, ext[2], "rm[:, None]"), _dim_valid(w, ext[0], "ib"),
+                        _dim_valid(w, ext[1], "ih"))
     d_term = None if d == bd else f"(rd[None, :] < {d})"
     mask_q = _mask(w, "mask_q", m_term, d_term)
     w.emit(f"zero_q = tl.zeros([{bm}, {bd}], tl.int32)")
@@ -348,15 +424,22 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"acc = tl.zeros([{bm}, {bdv}], tl.float32)")
     w.emit(f"for n0 in range(0, {lk}, {bn}):")
     w.indent += 1
+    skips = []
     if p["causal"]:
         # key blocks wholly after this query block are masked: skip them
-        w.emit(f"if n0 < (tl.program_id(0) + 1) * {bm}:")
+        skips.append(f"(n0 < (tl.program_id(0) + 1) * {bm})")
+    if lk_ext is not None and is_prefix(lk_ext):
+        skips.append(f"(n0 < {w.extent(true_size(lk_ext, 0))})")   # blocks of padded keys
+    if skips:
+        w.emit(f"if {' & '.join(skips)}:")
         w.indent += 1
     w.emit(f"rn = n0 + tl.arange(0, {bn})")
-    n_even = lk % bn == 0
+    n_even = lk % bn == 0 and lk_ext is None
     mask_k = _mask(w, "mask_k", None if d == bd else f"(rd[:, None] < {d})",
-                   None if n_even else f"(rn[None, :] < {lk})")
-    mask_v = _mask(w, "mask_v", None if n_even else f"(rn[:, None] < {lk})",
+                   None if n_even else _and_terms(f"(rn[None, :] < {lk})",
+                                                  _dim_valid(w, lk_ext, "rn[None, :]")))
+    mask_v = _mask(w, "mask_v", None if n_even else _and_terms(
+                       f"(rn[:, None] < {lk})", _dim_valid(w, lk_ext, "rn[:, None]")),
                    None if dv == bdv else f"(rdv[None, :] < {dv})")
     w.emit(f"zero_k = tl.zeros([{bd}, {bn}], tl.int32)")
     w.emit(f"zero_v = tl.zeros([{bn}, {bdv}], tl.int32)")
@@ -366,10 +449,14 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"kt = {_masked(kt, mask_k)}.to({tl_dot})")
     w.emit(f"s = tl.dot(q, kt{prec}) * {p['scale']!r}")
     w.emit(f"valid = (rn[None, :] < {lk}) & (rm[:, None] >= 0)")
+    kvalid = _dim_valid(w, lk_ext, "rn[None, :]")
+    if kvalid:
+        w.emit(f"valid = valid & {kvalid}")
     if p["causal"]:
         w.emit("valid = valid & (rn[None, :] <= rm[:, None])")
     if "mask" in p:
-        w.emit(f"mask_s = (rm[:, None] < {lq}) & (rn[None, :] < {lk})")
+        w.emit(f"mask_s = (rm[:, None] < {lq}) & (rn[None, :] < {lk})"
+               + (f" & {m_term}" if m_term else "") + (f" & {kvalid}" if kvalid else ""))
         w.emit(f"zero_s = tl.zeros([{bm}, {bn}], tl.int32)")
         sctx = Ctx(w, (b, h, lq, lk), ["ib", "ih", "rm[:, None]", "rn[None, :]"], mask="mask_s",
                    zero="zero_s")
@@ -390,7 +477,7 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"v = {_masked(v, mask_v)}.to({tl_dot})")
     w.emit(f"acc = acc * alpha[:, None] + tl.dot(pr.to({tl_dot}), v{prec})")
     w.emit("m_i = m_new")
-    w.indent -= 2 if p["causal"] else 1
+    w.indent -= 2 if skips else 1
     w.emit("o = acc / l_i[:, None]")
     mask = _mask(w, "mask", m_term, None if dv == bdv else f"(rdv[None, :] < {dv})")
     w.emit(f"zero = tl.zeros([{bm}, {bdv}], tl.int32)")
@@ -402,14 +489,62 @@ def attention(kernel: Kernel, w: Writer):
     return (cdiv(lq, bm), b * h, 1), 4, 2
 
 
-TEMPLATES = {"pointwise": pointwise, "reduction": reduction, "softmax": softmax,
+# ---- data-dependent sizes ----------------------------------------------------------------------
+def compact(kernel: Kernel, w: Writer):
+    """Stream compaction in one program: blocks in row-major order, a prefix sum inside each
+    block gives every nonzero element its slot after those of earlier blocks; the running count
+    ends up in the extents table. Padded elements (the source's extents) never count."""
+    inp = kernel.inputs
+    shape = inp["src_shape"]
+    n, nd = numel(shape), len(shape)
+    block = min(1024, next_pow2(max(n, 16)))
+    out = w.ptr(kernel.out)
+    w.emit("count = tl.zeros([], tl.int32)")
+    w.emit(f"for start in range(0, {n}, {block}):")
+    w.indent += 1
+    w.emit(f"offs = start + tl.arange(0, {block})")
+    w.emit(f"inb = offs < {n}")
+    w.emit(f"zero = tl.zeros([{block}], tl.int32)")
+    ctx = Ctx(w, shape, linear="offs", mask="inb", zero="zero")
+    ctx.mask = and_mask(w, "inb", "inb", ctx.valid(inp.get("src_ext")))
+    value = ExprEmitter(w).value(inp["src"], ctx)
+    w.emit(f"flag = (({value}) != 0) & {ctx.mask}")
+    w.emit("flag_i = flag.to(tl.int32)")
+    w.emit("pos = (count + tl.cumsum(flag_i, 0) - 1).to(tl.int64)")
+    for d in range(nd):
+        w.emit(f"tl.store({out} + pos * {nd} + {d}, ({ctx.dim(d)} + zero).to(tl.int64), mask=flag)")
+    w.emit("count += tl.sum(flag_i, 0)")
+    w.indent -= 1
+    _store_extent(w, inp["symbol"], "count.to(tl.int64)")
+    return (1, 1, 1), 4, 1
+
+
+def to_extent(kernel: Kernel, w: Writer):
+    """A tensor's value becomes a size (`n.item()`), clamped to the range torch.export proved."""
+    inp = kernel.inputs
+    value = ExprEmitter(w).value(inp["src"], Ctx(w, ()))
+    w.emit(f"v = tl.minimum(tl.maximum({value}.to(tl.int64), {inp['lo']}), {inp['hi']})")
+    _store_extent(w, inp["symbol"], "v")
+    return (1, 1, 1), 1, 1
+
+
+def _store_extent(w: Writer, symbol, value: str):
+    from .ir import EXTENTS
+    ext = w.ptr(EXTENTS)
+    w.emit(f"tl.store({ext} + {w.symbols[symbol]}, {value})")
+
+
+TEMPLATES = {"compact": compact, "to_extent": to_extent, "pointwise": pointwise, "reduction": reduction, "softmax": softmax,
              "layer_norm": layer_norm, "matmul": matmul, "attention": attention}
 
 
-def table_writer_source(slots: list[dict]) -> KernelSource:
+def table_writer_source(slots: list[dict], extents: dict | None = None) -> KernelSource:
     """The per-call argument-table update: one store per word (slot by slot: pointer, sizes,
-    strides, each slot at its 16-aligned offset); the parameters carry the values."""
+    strides, each slot at its 16-aligned offset; then the size symbols); the parameters carry
+    the values."""
     positions = [s["offset"] // 8 + j for s in slots for j in range(1 + 2 * s["rank"])]
+    if extents:
+        positions += [extents["offset"] // 8 + k for k in range(extents["count"])]
     words = len(positions)
     names = ", ".join(f"w{i}" for i in range(words))
     lines = [f"def table_writer(table, {names}):" if words else "def table_writer(table):"]

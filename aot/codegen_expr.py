@@ -8,8 +8,12 @@ directly, so the common case compiles to `tl.load(p + offs)`.
 """
 from __future__ import annotations
 
-from .ir import (Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape, compute_dtype,
-                 contiguous_strides, is_contiguous, numel)
+import math
+
+import sympy
+
+from .ir import (Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape, SymValue,
+                 compute_dtype, contiguous_strides, is_contiguous, numel)
 
 TL_TYPE = {
     "float64": "tl.float64", "float32": "tl.float32", "float16": "tl.float16",
@@ -23,15 +27,20 @@ PTR_TYPE = {
 
 
 class Writer:
-    """Lines of one kernel body plus its pointer parameters (one per distinct buffer)."""
+    """Lines of one kernel body plus its pointer parameters (one per distinct buffer).
 
-    def __init__(self):
+    `symbols` maps each size symbol to its word in the extents table; sizes the kernel needs at
+    run time are loaded once, in the prologue."""
+
+    def __init__(self, symbols: dict | None = None):
         self.lines: list[str] = []
         self.indent = 1
         self.params: list = []          # Buffers, in parameter order
         self._ptr: dict[int, str] = {}
         self.prologue: list[str] = []
         self._n = 0
+        self.symbols = symbols or {}
+        self._sizes: dict = {}
 
     def var(self, prefix="t") -> str:
         self._n += 1
@@ -58,7 +67,70 @@ class Writer:
                 for i, b in enumerate(self.params)]
 
     def param_types(self) -> list[str]:
-        return ["*i64" if b.kind in ("input", "output") else PTR_TYPE[b.dtype] for b in self.params]
+        return ["*i64" if b.kind in ("input", "output", "extents") else PTR_TYPE[b.dtype]
+                for b in self.params]
+
+    # -- run-time sizes -------------------------------------------------------------------------
+    def _prologue_value(self, key, code: str, prefix: str) -> str:
+        if key not in self._sizes:
+            name = f"{prefix}{len(self._sizes)}"
+            self.prologue.append(f"{name} = {code}")
+            self._sizes[key] = name
+        return self._sizes[key]
+
+    def extent(self, expr) -> str:
+        """Code for a size expression over the symbols, from the extents table."""
+        from .ir import EXTENTS
+        expr = sympy.sympify(expr)
+        if expr.is_Integer:
+            return str(int(expr))
+        if expr.is_Symbol:
+            if expr not in self.symbols:
+                raise ValueError(f"size symbol {expr} has no word in the extents table")
+            self.ptr(EXTENTS)
+            ext = self._ptr[id(EXTENTS)]
+            return self._prologue_value(expr, f"tl.load({ext} + {self.symbols[expr]})", "sz")
+        args = [self.extent(a) for a in expr.args]
+        if isinstance(expr, sympy.Add):
+            code = " + ".join(args)
+        elif isinstance(expr, sympy.Mul):
+            code = " * ".join(args)
+        elif isinstance(expr, (sympy.Max, sympy.Min)):
+            fn = "tl.maximum" if isinstance(expr, sympy.Max) else "tl.minimum"
+            code = args[0]
+            for a in args[1:]:
+                code = f"{fn}({code}, {a})"
+        elif type(expr).__name__ == "FloorDiv":
+            code = f"{args[0]} // {args[1]}"
+        else:
+            raise ValueError(f"cannot evaluate the size {expr} in a kernel")
+        return self._prologue_value(expr, f"({code})", "sz")
+
+    def slot_word(self, buf, word: int) -> str:
+        """Word `word` of an I/O buffer's table slot: 1 + d is size d, 1 + rank + d stride d."""
+        self.ptr(buf)
+        return self._prologue_value((id(buf), word), f"tl.load({self._ptr[id(buf)]}_slot + {word})",
+                                    "io")
+
+    def user_address(self, buf, dims) -> tuple[str, list[str]]:
+        """Element offset and bounds terms for a user tensor with dynamic dimensions, at the index
+        variables `dims` (one per dimension). The runtime passes C-contiguous tensors, so strides
+        below the innermost dynamic dimension are constants (which keeps vector loads); the others
+        and the sizes come from the table slot."""
+        rank = len(buf.shape)
+        last_dynamic = max(d for d in range(rank) if buf.dynamic[d])
+        terms, bounds = [], []
+        for d in range(rank):
+            if buf.shape[d] == 1 and not buf.dynamic[d]:
+                continue
+            if d > last_dynamic:
+                stride = str(math.prod(buf.shape[d + 1:]))
+            else:
+                stride = self.slot_word(buf, 1 + rank + d)
+            terms.append(dims[d] if stride == "1" else f"{dims[d]} * {stride}")
+            if buf.dynamic[d]:
+                bounds.append(f"({dims[d]} < {self.slot_word(buf, 1 + d)})")
+        return (" + ".join(terms) or "0"), bounds
 
 
 class Ctx:
@@ -73,6 +145,17 @@ class Ctx:
         self.memo: dict[int, str] = {}
         self.children: dict = {}
 
+    def valid(self, ext) -> str | None:
+        """The condition that this context's index is a real element, given the extents of its
+        dimensions (shapes.py), or None when every element is."""
+        if ext is None:
+            return None
+        terms = []
+        for d, entry in enumerate(ext):
+            if entry is not None and self.shape[d] != 1:
+                terms.extend(factor_terms(self.w, entry, self.dim(d)))
+        return " & ".join(terms) if terms else None
+
     def dim(self, d: int) -> str:
         if d not in self._dims:
             if self.shape[d] == 1:
@@ -86,6 +169,30 @@ class Ctx:
                 self.w.emit(f"{v} = {expr}")
                 self._dims[d] = v
         return self._dims[d]
+
+
+def factor_terms(w: Writer, entry, idx: str) -> list[str]:
+    """Conditions for index `idx` of a dimension with extent factors `entry` (outer to inner):
+    each factor's digit is below its true size."""
+    terms = []
+    for j, (bucket, true) in enumerate(entry):
+        if sympy.sympify(true).is_number:
+            continue
+        inner = math.prod(b for b, _ in entry[j + 1:])
+        digit = idx if inner == 1 else f"({idx} // {inner})"
+        if j > 0:
+            digit = f"({digit} % {bucket})"
+        terms.append(f"({digit} < {w.extent(true)})")
+    return terms
+
+
+def and_mask(w: Writer, name: str, mask: str, extra: str | None) -> str:
+    """`mask` AND `extra`, bound to a new variable (either may be absent: "None" / None)."""
+    if not extra:
+        return mask
+    v = w.var(name)
+    w.emit(f"{v} = {extra}" if mask == "None" else f"{v} = ({mask}) & {extra}")
+    return v
 
 
 def _literal(value, dtype: str) -> str:
@@ -134,7 +241,9 @@ class ExprEmitter:
             w.emit(f"{v} = ({ctx.dim(e.dim)} + {ctx.zero}).to(tl.int64)")
             return v
         if isinstance(e, Load):
-            return self._load(e, ctx)
+            return self._load(e, ctx) if not e.buf.dynamic else self._load_user(e, ctx)
+        if isinstance(e, SymValue):
+            return w.extent(e.expr)
         if isinstance(e, Op):
             return self._op(e, ctx)
         if isinstance(e, Reindex):
@@ -168,6 +277,20 @@ class ExprEmitter:
         mask = "" if ctx.mask == "None" else f", mask={ctx.mask}, other=0"
         cast = f".to({TL_TYPE[cdt]})" if cdt != e.dtype else ""
         w.emit(f"{v} = tl.load({ptr} + ({addr}){mask}){cast}")
+        return v
+
+    def _load_user(self, e: Load, ctx: Ctx) -> str:
+        """A user tensor with dynamic dimensions: never remapped (views.remap), so the load's index
+        space is the tensor's own; runtime strides and a bounds mask from its slot."""
+        w = self.w
+        ptr = w.ptr(e.buf)
+        addr, bounds = w.user_address(e.buf, [ctx.dim(d) for d in range(len(e.buf.shape))])
+        masks = ([] if ctx.mask == "None" else [f"({ctx.mask})"]) + bounds
+        v = w.var("x")
+        cdt = compute_dtype(e.dtype)
+        cast = f".to({TL_TYPE[cdt]})" if cdt != e.dtype else ""
+        mask = f", mask={' & '.join(masks)}, other=0" if masks else ""
+        w.emit(f"{v} = tl.load({ptr} + ({addr} + {ctx.zero}){mask}){cast}")
         return v
 
     def _op(self, e: Op, ctx: Ctx) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from . import build, codegen, export, fuse, lower, memplan, package
+from . import build, codegen, export, fuse, lower, memplan, package, shapes
 
 ARCH_RE = re.compile(r"^sm_(\d{2,3})$")
 # Triton input_precision values for fp32 dots (GEMMs and attention), most accurate last. (Triton
@@ -28,6 +28,8 @@ class CompileOptions:
     fp32_matmul: str = lower.DEFAULT_OPTIONS["fp32_matmul"]
     jobs: int | None = None            # parallel kernel builds (default: CPU count, max 8)
     progress: bool = False
+    # bucket bounds per size symbol, overriding the default powers of two
+    buckets: tuple = ()
 
     def __post_init__(self):
         if not self.archs:
@@ -44,6 +46,7 @@ class CompileOptions:
         d = asdict(self)
         d.pop("progress")
         d.pop("jobs")
+        d.pop("buckets")
         d["archs"] = list(self.archs)
         return d
 
@@ -57,19 +60,45 @@ class CompileReport:
 
 
 def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None,  # noqa: A001
-            progress=True, fp32_matmul=None, jobs=None, dynamic_shapes=None) -> Path:
-    """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file."""
+            progress=True, fp32_matmul=None, jobs=None, dynamic_shapes=None,
+            buckets=None) -> Path:
+    """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
+
+    `dynamic_shapes` goes to torch.export (`{"input_ids": {1: Dim("seq", min=1, max=512)}}`);
+    each dynamic dimension becomes a size symbol named after its Dim (or `<input>.<dim>` for a
+    program exported elsewhere). `buckets` overrides the default bucket bounds per symbol:
+    `{"seq": [64, 128, 512]}`."""
     options = CompileOptions(tuple(archs), fp32_matmul or lower.DEFAULT_OPTIONS["fp32_matmul"],
-                             jobs, progress)
+                             jobs, progress,
+                             tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()))
+    dim_names = None
     if isinstance(program, torch.nn.Module):
         if example_inputs is None:
             raise ValueError("example_inputs are required to export an nn.Module")
         name = name or type(program).__name__
+        dim_names = _dim_names(program, example_inputs, dynamic_shapes)
         program = export.export_model(program, example_inputs, dynamic_shapes)
     elif not isinstance(program, torch.export.ExportedProgram):
         raise TypeError(f"expected an nn.Module or torch.export.ExportedProgram, "
                         f"got {type(program).__name__}")
-    return compile_program(program, Path(output), name or "model", options).path
+    return compile_program(program, Path(output), name or "model", options, dim_names).path
+
+
+def _dim_names(model, example_inputs, dynamic_shapes) -> dict:
+    """(input name, dim) -> the user's Dim name, so symbols are called what the user called them."""
+    import inspect
+    if not dynamic_shapes:
+        return {}
+    params = list(inspect.signature(model.forward).parameters)
+    specs = dynamic_shapes.items() if isinstance(dynamic_shapes, dict) else \
+        zip(params, dynamic_shapes)
+    out = {}
+    for arg, spec in specs:
+        items = spec.items() if isinstance(spec, dict) else enumerate(spec or ())
+        for d, dim in items:
+            if getattr(dim, "__name__", None):
+                out[(arg, int(d))] = dim.__name__
+    return out
 
 
 def _say(options: CompileOptions, msg: str):
@@ -78,7 +107,23 @@ def _say(options: CompileOptions, msg: str):
         Console(stderr=True).print(msg)
 
 
-def compile_program(program, output: Path, name: str, options: CompileOptions) -> CompileReport:
+def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict) -> package.GraphBuild:
+    """One graph: the program lowered with every input symbol at its bucket bound."""
+    bucket = {s.expr: bounds[s.name] for s in symbols if s.kind == "input"}
+    lowered = lower.lower(core, name, options.recorded(), bucket)
+    kernels = fuse.fuse_epilogues(lowered.kernels)
+    plan = memplan.plan_memory(kernels, lowered.weights)
+    memplan.check_plan(plan)
+    sources = [codegen.generate(k, sym_index) for k in kernels]
+    readers = [any(b.kind == "extents" for b in src.buffers) for src in sources]
+    deps = memplan.dependencies(kernels, plan, readers)
+    graph_name = ",".join(f"{k}={v}" for k, v in bounds.items()) or "main"
+    all_bounds = {s.name: int(lowered.bounds.get(s.expr, s.hi or 0)) for s in symbols}
+    return package.GraphBuild(graph_name, all_bounds, lowered, kernels, plan, deps, sources)
+
+
+def compile_program(program, output: Path, name: str, options: CompileOptions,
+                    dim_names: dict | None = None) -> CompileReport:
     from grace.formats import write_package
 
     seconds = {}
@@ -87,21 +132,33 @@ def compile_program(program, output: Path, name: str, options: CompileOptions) -
     seconds["decompose"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    lowered = lower.lower(core, name, options.recorded())
-    kernels = fuse.fuse_epilogues(lowered.kernels)
-    slots, table_nbytes = package.table_layout(lowered)
-    plan = memplan.plan_memory(kernels, lowered.weights)
-    memplan.check_plan(plan)
-    deps = memplan.dependencies(kernels, plan)
-    sources = [codegen.generate(k) for k in kernels]
-    writer = codegen.table_writer_source(slots)
+    try:
+        symbols = shapes.find_symbols(core, dim_names)
+        lists = shapes.bucket_lists(symbols, dict(options.buckets))
+        symbols += shapes.find_data_symbols(core, symbols)
+    except shapes.ShapeError as exc:
+        raise lower.LoweringError(str(exc)) from exc
+    sym_index = {s.expr: i for i, s in enumerate(symbols)}
+    graphs = []
+    for bounds in shapes.combinations(symbols, lists):
+        graphs.append(_lower_bucket(core, name, options, symbols, sym_index, bounds))
+    _check_same_interface(graphs)
+    slots, extents, table_nbytes = package.table_layout(graphs[0].program, len(symbols))
+    for g in graphs[1:]:
+        package.table_layout(g.program, len(symbols))
+    writer = codegen.table_writer_source(slots, extents)
+    recorded = options.recorded()
+    if lists:
+        recorded["buckets"] = lists
+        recorded["bucket_cost"] = _cost_note(symbols, lists)
     seconds["lower"] = time.perf_counter() - t
-    _say(options, f"[bold]grace[/]: {name}: {len(kernels)} kernels "
-                  f"({len({s.name for s in sources})} unique), arena {plan.arena_nbytes} B, "
-                  f"weights {plan.weights_nbytes} B")
+    unique = {s.name: s for s in [writer] + [src for g in graphs for src in g.sources]}
+    _say(options, f"[bold]grace[/]: {name}: {len(graphs)} graph(s), "
+                  f"{sum(len(g.kernels) for g in graphs)} kernels ({len(unique) - 1} unique), "
+                  f"arena ≤ {max(g.plan.arena_nbytes for g in graphs)} B, "
+                  f"weights {graphs[0].plan.weights_nbytes} B")
 
     t = time.perf_counter()
-    unique = {s.name: s for s in [writer] + sources}
     requests = [build.BuildRequest(s.name, s.source, tuple(s.param_types), s.num_warps,
                                    s.num_stages, arch)
                 for s in unique.values() for arch in options.archs]
@@ -110,15 +167,33 @@ def compile_program(program, output: Path, name: str, options: CompileOptions) -
     seconds["build"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    manifest, sections = package.build_manifest(lowered, kernels, plan, deps, sources, writer,
-                                                binaries, list(options.archs),
-                                                options.recorded(), slots, table_nbytes)
+    manifest, sections = package.build_manifest(graphs, symbols, writer, binaries,
+                                                list(options.archs), recorded, slots, extents,
+                                                table_nbytes)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_package(output, manifest, sections)
     seconds["package"] = time.perf_counter() - t
     _say(options, f"[bold]grace[/]: wrote {output} "
                   f"({output.stat().st_size / 1e6:.1f} MB) in {sum(seconds.values()):.1f} s")
-    return CompileReport(output, len(kernels), len(unique) - 1, seconds)
+    return CompileReport(output, sum(len(g.kernels) for g in graphs), len(unique) - 1, seconds)
+
+
+def _check_same_interface(graphs) -> None:
+    """Every bucket must lower to the same inputs, outputs and weights (only sizes differ)."""
+    def key(p):
+        return ([(b.name, b.dtype, len(b.shape)) for b in p.inputs + p.outputs],
+                [(b.name, b.dtype, b.shape) for b in p.weights])
+    first = key(graphs[0].program)
+    for g in graphs[1:]:
+        if key(g.program) != first:
+            raise lower.LoweringError(f"bucket {g.name} lowers to a different interface")
+
+
+def _cost_note(symbols, lists) -> str:
+    parts = [f"{s.name}: {shapes.padding_cost(s, lists[s.name]):.0%} padded work"
+             for s in symbols if s.kind == "input"]
+    return ("expected padding over sizes uniform in each exported range (work ∝ size): "
+            + "; ".join(parts))
 
 
 def _build_with_progress(requests, options: CompileOptions):

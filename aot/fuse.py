@@ -66,6 +66,8 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
                 i = producer_of.get(id(buf))
                 if i is None or buf.kind != "arena" or readers.get(id(buf)) != [j]:
                     continue
+                if consumer.out.dynamic:   # user memory of the true size: stored by its own kernel
+                    continue
                 producer = kernels[i]
                 if producer.family not in FUSABLE_PRODUCERS:
                     continue

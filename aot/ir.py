@@ -8,8 +8,8 @@ kernel of its own: it is evaluated inside whichever kernel reads it (prologue fu
 `fuse.py` folds pointwise consumers into the store of the kernel that produced their input
 (epilogue fusion).
 
-Every `Kernel` writes exactly one contiguous buffer. Sizes are static here; the runtime-extent
-machinery (design §3) will replace static extents with symbols that kernels read on the device.
+Every `Kernel` writes exactly one contiguous buffer. Sizes here are the bucket's (static); which
+elements are real is described by extents (`shapes.py`) that kernels evaluate on the device.
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def compute_dtype(dtype: str) -> str:
 # ----------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Buffer:
-    """A piece of device memory. kind: weight | arena | input | output."""
+    """A piece of device memory. kind: weight | arena | input | output | extents."""
 
     name: str
     kind: str
@@ -62,6 +62,10 @@ class Buffer:
     # weight: the tensor's data (numpy-compatible bytes) is kept by the lowering context.
     # input/output: index of the argument-table slot.
     slot: int | None = None
+    # input/output with a dynamic dimension: per dimension whether it is dynamic (empty when none
+    # is). The caller's true sizes and strides are read from the table slot, so loads of such a
+    # buffer never fold views into static strides (views.remap).
+    dynamic: tuple = ()
 
     @property
     def nbytes(self) -> int:
@@ -105,6 +109,16 @@ class Index(Expr):
 
     def __init__(self, dim: int):
         self.dim, self.dtype = dim, "int64"
+
+
+class SymValue(Expr):
+    """The runtime value of a size expression (sympy, over the extents table): a mean's divisor,
+    a size used as data."""
+
+    __slots__ = ("expr",)
+
+    def __init__(self, expr, dtype: str = "int64"):
+        self.expr, self.dtype = expr, dtype
 
 
 class Acc(Expr):
@@ -222,6 +236,13 @@ def is_cheap(expr: Expr, limit: int = 24) -> bool:
     return True
 
 
+EXTENTS = Buffer("extents", "extents", "int64", (0,))   # the extents table (symbol values)
+
+
+def has_dynamic(ext) -> bool:
+    return ext is not None and any(e is not None for e in ext)
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
@@ -237,6 +258,8 @@ class Kernel:
     epilogue: Expr
     inputs: dict[str, Any] = field(default_factory=dict)   # family-specific operands and settings
     label: str = ""
+    # extents (shapes.py) of out_shape, per dimension; None = all static
+    ext: tuple | None = None
 
     def exprs(self) -> list[Expr]:
         found = [self.epilogue]
@@ -263,3 +286,7 @@ class Program:
     weights: list[Buffer]
     weight_data: dict[str, Any]          # weight buffer name -> contiguous CPU torch tensor
     name: str = "model"
+    # I/O buffer name -> its sizes as torch reports them (ints / SymInts), for the manifest
+    sizes: dict = field(default_factory=dict)
+    # size symbol -> its bound in this bucket (input symbols and the data-dependent ones)
+    bounds: dict = field(default_factory=dict)

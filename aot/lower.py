@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import sympy
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from . import views
-from .ir import (TRANSCENDENTAL, Buffer, Const, Kernel, Load, Op, Program, contiguous_strides,
-                 expr_size, is_cheap, walk)
+from . import shapes, views
+from .ir import (TRANSCENDENTAL, Buffer, Const, Kernel, Load, Op, Program, SymValue,
+                 contiguous_strides, expr_size, is_cheap, walk)
+from .shapes import SymSize, sym_expr
 from .views import TV
 
 HANDLERS: dict[Any, Callable] = {}
@@ -54,13 +56,36 @@ def source_line(node: torch.fx.Node) -> str:
     return f"{lines[i]}: {code}".rstrip(": ")
 
 
-class Lowering:
-    """Walks the graph once; holds the kernels emitted so far."""
+# The bucket being lowered: symbol -> bound. Sizes in node metadata are evaluated at it.
+_BUCKET: dict = {}
 
-    def __init__(self, program: ExportedProgram, name: str, options: dict | None = None):
+
+def size_of(size) -> int:
+    """A size from node metadata (int or SymInt) at the current bucket's bounds."""
+    expr = sym_expr(size)
+    return int(size) if expr is None else shapes.evaluate(expr, _BUCKET)
+
+
+def entry_of(size):
+    """The extent of one dimension from node metadata: None (static) or one factor."""
+    expr = sym_expr(size)
+    return None if expr is None else shapes.simple(shapes.evaluate(expr, _BUCKET), expr)
+
+
+class Lowering:
+    """Walks the graph once; holds the kernels emitted so far.
+
+    `bucket` maps each input symbol (sympy) to its bound in the graph being lowered; the
+    lowering is then that of a static program at those sizes, plus extents (shapes.py) that tell
+    every kernel which elements are real."""
+
+    def __init__(self, program: ExportedProgram, name: str, options: dict | None = None,
+                 bucket: dict | None = None):
         self.program = program
         self.name = name
         self.options = {**DEFAULT_OPTIONS, **(options or {})}
+        self.bucket = dict(bucket or {})
+        self.dynamic = bool(self.bucket) or bool(program.range_constraints)
         self.kernels: list[Kernel] = []
         self.inputs: list[Buffer] = []
         self.outputs: list[Buffer] = []
@@ -70,6 +95,7 @@ class Lowering:
         self._count = 0
         self.node: torch.fx.Node | None = None
         self.folded: dict = {}
+        self.sizes: dict = {}
 
     # ---- buffers and kernels ----------------------------------------------------------------
     def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None) -> Buffer:
@@ -80,16 +106,19 @@ class Lowering:
         if not kernel.label and self.node is not None:
             kernel.label = self.node.name
         self.kernels.append(kernel)
-        return views.contiguous_load(kernel.out)
+        ext = kernel.ext
+        if ext is not None and tuple(kernel.out.shape) != tuple(kernel.out_shape):
+            ext = shapes.regroup(kernel.out_shape, ext, kernel.out.shape)
+        return views.contiguous_load(kernel.out, ext)
 
     def realize(self, tv: TV, into: Buffer | None = None) -> TV:
         """Make `tv` live in memory (contiguous). A value that already is a whole buffer is free."""
         expr = tv.expr
-        if (into is None and isinstance(expr, Load) and expr.offset == 0
+        if (into is None and isinstance(expr, Load) and expr.offset == 0 and not expr.buf.dynamic
                 and expr.strides == contiguous_strides(tv.shape) and expr.buf.shape == tv.shape):
             return tv
         out = into or self.new_buffer(tv.shape, tv.dtype)
-        return self.emit(Kernel("pointwise", out, tv.shape, tv.expr))
+        return self.emit(Kernel("pointwise", out, tv.shape, tv.expr, ext=tv.ext))
 
     def operand(self, tv: TV) -> TV:
         """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it."""
@@ -109,18 +138,39 @@ class Lowering:
         graph = self.program.graph_module.graph
         self.folded = fold_constants(graph, specs, state)
         folded = self.folded
-        for node in graph.nodes:
-            self.node = node
-            if node in folded:
-                self.env[node] = self.constant(node, folded[node])
-            elif node.op == "placeholder":
-                self.env[node] = self.placeholder(node, specs[node.name], state)
-            elif node.op == "call_function":
-                self.env[node] = self.call(node)
-            elif node.op == "output":
-                self.output(node, sig)
+        global _BUCKET
+        _BUCKET = self.bucket
+        try:
+            for node in graph.nodes:
+                self.node = node
+                if node in folded:
+                    self.env[node] = self.constant(node, folded[node])
+                elif node.op == "placeholder":
+                    self.env[node] = self.placeholder(node, specs[node.name], state)
+                elif node.op == "call_function" and _is_size_arithmetic(node):
+                    val = node.meta["val"]
+                    self.env[node] = (SymSize(size_of(val), val.node.expr)
+                                      if isinstance(val, torch.SymInt) else None)
+                elif node.op == "call_function":
+                    self.env[node] = self.call(node)
+                elif node.op == "output":
+                    self.output(node, sig)
+        finally:
+            _BUCKET = {}
         return Program(self.kernels, self.inputs, self.outputs, self.weights, self.weight_data,
-                       self.name)
+                       self.name, self.sizes, dict(self.bucket))
+
+    def data_symbol(self, node, bound: int):
+        """Declare the unbacked symbol of `node`'s result (a size a kernel computes on the
+        device), with its bound in this bucket."""
+        val = node.meta["val"]
+        sizes = [val] if isinstance(val, torch.SymInt) else list(val.shape)
+        for size in sizes:
+            expr = sym_expr(size)
+            if expr is not None and expr.is_Symbol and expr not in self.bucket:
+                self.bucket[expr] = int(bound)
+                return expr
+        raise LoweringError("internal: no new data-dependent size in this node's result")
 
     def placeholder(self, node, spec, state) -> TV:
         val = node.meta.get("val")
@@ -128,14 +178,13 @@ class Lowering:
             if not isinstance(val, torch.Tensor):
                 raise LoweringError(f"input '{node.name}' is not a tensor ({type(val).__name__}); "
                                     "only tensor inputs are supported")
-            if any(not isinstance(d, int) for d in val.shape):
-                raise LoweringError(
-                    f"input '{node.name}' has dynamic dimensions {tuple(val.shape)}; this version "
-                    "compiles static shapes only (shape buckets are the next step) — export "
-                    "without dynamic_shapes")
-            buf = self.new_buffer(val.shape, dtype_name(val.dtype), "input", node.name)
+            ext = tuple(entry_of(d) for d in val.shape)
+            buf = self.new_buffer([size_of(d) for d in val.shape], dtype_name(val.dtype), "input",
+                                  node.name)
+            buf.dynamic = tuple(e is not None for e in ext) if any(ext) else ()
+            self.sizes[buf.name] = tuple(val.shape)
             self.inputs.append(buf)
-            return views.contiguous_load(buf)
+            return views.contiguous_load(buf, ext)
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             tensor = state[spec.target].detach()
             buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "weight", spec.target)
@@ -164,7 +213,9 @@ class Lowering:
         kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self.env[n])
         try:
             value = handler(self, node, *args, **kwargs)
-        except LoweringError as exc:
+            if self.dynamic:
+                value = self.with_extents(node, value)
+        except (LoweringError, shapes.ShapeError) as exc:
             if "used at" in str(exc):
                 raise
             raise LoweringError(f"{exc} — in {node.target} (node '{node.name}'), used at "
@@ -173,6 +224,40 @@ class Lowering:
             value = self.realize(value)
         elif isinstance(value, TV) and expr_size(value.expr) > 160:
             value = self.realize(value)
+        return value
+
+    def with_extents(self, node, value):
+        """Give a handler's result its extents. Views carry them along; a fresh value (pointwise
+        op, gather, kernel result) takes each dynamic dimension from an input dimension of the
+        same true size (keeping its factors, e.g. a merged [B*S]) or else as one factor."""
+        val = node.meta.get("val")
+        if isinstance(value, (tuple, list)):
+            vals = val if isinstance(val, (tuple, list)) else [None] * len(value)
+            return type(value)(self._one_extents(node, v, m) for v, m in zip(value, vals))
+        return self._one_extents(node, value, val)
+
+    def _one_extents(self, node, value, val):
+        if not isinstance(value, TV) or not isinstance(val, torch.Tensor):
+            return value
+        metas = [sym_expr(d) for d in val.shape]
+        if value.ext is None and all(m is None for m in metas):
+            return value
+        known = {}
+        for arg in node.all_input_nodes:
+            tv = self.env.get(arg)
+            for t in (tv if isinstance(tv, (tuple, list)) else [tv]):
+                if isinstance(t, TV):
+                    for e in t.exts():
+                        if e is not None:
+                            known.setdefault(shapes.true_size(e, 0), e)
+        if value.ext is None:
+            ext = [None if m is None else known.get(m) or shapes.simple(size_of(d), m)
+                   for m, d in zip(metas, val.shape)]
+            return TV(value.expr, value.shape, ext)
+        for d, (m, e) in enumerate(zip(metas, value.exts())):
+            true = shapes.true_size(e, value.shape[d]) if e is not None else None
+            if (m is None) != (e is None) or (m is not None and sympy.expand(true - m) != 0):
+                raise LoweringError(f"internal: extents of dim {d} are {e}, torch says {m}")
         return value
 
     def output(self, node, sig):
@@ -186,9 +271,22 @@ class Lowering:
                 raise LoweringError(f"output {i} is not a tensor; only tensor outputs are supported")
             name = f"out{len(self.outputs)}" if len(user_outputs) > 1 else "out"
             buf = self.new_buffer(tv.shape, tv.dtype, "output", name)
+            buf.dynamic = tuple(e is not None for e in tv.ext) if tv.ext is not None else ()
+            if buf.dynamic and any(len(e) > 1 for e in tv.ext if e is not None):
+                raise LoweringError(f"output {i} has a merged dynamic dimension; return it with "
+                                    "each dynamic dimension separate")
+            self.sizes[buf.name] = tuple(value.meta["val"].shape)
             self.outputs.append(buf)
             self.node = value
             self.realize(tv, into=buf)
+
+
+def _is_size_arithmetic(node) -> bool:
+    """Arithmetic on sizes (sym_size, s0 * 64, u0 >= 0): evaluated from node metadata, not lowered.
+    `.item()` is the exception: it turns a tensor value into a size, on the device."""
+    val = node.meta.get("val")
+    return (isinstance(val, (torch.SymInt, torch.SymBool, torch.SymFloat))
+            and node.target is not torch.ops.aten._local_scalar_dense.default)
 
 
 NOT_FOLDABLE = {torch.ops.aten.rand.default, torch.ops.aten.randn.default,
@@ -233,15 +331,21 @@ def _worth_sharing(tv: TV) -> bool:
     return size > 6
 
 
-def lower(program: ExportedProgram, name: str = "model", options: dict | None = None) -> Program:
+def lower(program: ExportedProgram, name: str = "model", options: dict | None = None,
+          bucket: dict | None = None) -> Program:
     from . import lower_ops  # noqa: F401  (registers the handlers)
-    return Lowering(program, name, options).run()
+    return Lowering(program, name, options, bucket).run()
 
 
 # ---- helpers shared by the op handlers -------------------------------------------------------
 def out_meta(node):
     val = node.meta["val"]
-    return tuple(int(s) for s in val.shape), dtype_name(val.dtype)
+    return tuple(size_of(s) for s in val.shape), dtype_name(val.dtype)
+
+
+def out_ext(node, index=None):
+    val = node.meta["val"] if index is None else node.meta["val"][index]
+    return tuple(entry_of(s) for s in val.shape)
 
 
 def as_operand(x, shape, dtype: str):
@@ -250,6 +354,9 @@ def as_operand(x, shape, dtype: str):
         tv = views.expand(x, shape) if x.shape != tuple(shape) else x
         expr = tv.expr if tv.dtype == dtype else Op("cast", [tv.expr], dtype)
         return expr
+    if isinstance(x, SymSize) and sym_expr(x) is not None:
+        value = SymValue(x.expr)
+        return value if dtype == "int64" else Op("cast", [value], dtype)
     if isinstance(x, (bool, int, float)):
         return Const(_py_value(x, dtype), dtype)
     raise LoweringError(f"unsupported operand {x!r}")

@@ -9,12 +9,14 @@ from __future__ import annotations
 import math
 import operator
 
+import sympy
 import torch
 
-from . import views
+from . import shapes, views
 from .codegen import gemm_plan
-from .ir import Acc, Const, DimMap, Index, Kernel, Op, Reindex, numel
-from .lower import LoweringError, as_operand, dtype_name, handles, out_meta
+from .ir import EXTENTS, Acc, Const, DimMap, Index, Kernel, Load, Op, Reindex, SymValue, numel
+from .lower import LoweringError, as_operand, dtype_name, handles, out_ext, out_meta, size_of
+from .shapes import sym_expr
 from .views import TV
 
 aten = torch.ops.aten
@@ -219,16 +221,28 @@ def _t(L, node, x):
 
 @handles(aten.expand.default, aten.expand_copy.default)
 def _expand(L, node, x, shape, implicit=False):
-    return views.expand(x, out_meta(node)[0])
+    return views.expand(x, out_meta(node)[0], ext=out_ext(node))
 
 
 @handles(aten.slice.Tensor, aten.slice_copy.Tensor)
 def _slice(L, node, x, dim=0, start=None, end=None, step=1):
-    return views.slice_(x, dim, start, end, step)
+    dim %= len(x.shape)
+    entry = out_ext(node)[dim]
+    if entry is None and x.dim_ext(dim) is None:
+        return views.slice_(x, dim, start, end, step)
+    if sym_expr(start) is not None or (isinstance(start, int) and start < 0) or step != 1:
+        raise LoweringError("slicing a dynamic dimension needs a static start >= 0 and step 1")
+    inner = x.dim_ext(dim)
+    if inner is not None and len(inner) > 1 and entry != inner:
+        raise LoweringError("slicing a merged dynamic dimension is not supported")
+    return views.slice_(x, dim, start, end, step, entry=entry)
 
 
 @handles(aten.select.int, aten.select_copy.int)
 def _select(L, node, x, dim, index):
+    if x.dim_ext(dim % len(x.shape)) is not None and (sym_expr(index) is not None or index < 0):
+        raise LoweringError("indexing a dynamic dimension from its end (or by a size) is not "
+                            "supported: the position would move with the true size")
     return views.select(x, dim, index)
 
 
@@ -247,6 +261,8 @@ def _squeeze(L, node, x, dims=None):
 @handles(aten.split_with_sizes.default, aten.split.Tensor)
 def _split(L, node, x, sizes, dim=0):
     dim %= len(x.shape)
+    if x.dim_ext(dim) is not None:
+        raise LoweringError("splitting a dynamic dimension is not supported")
     if isinstance(sizes, int):
         sizes = [sizes] * ((x.shape[dim] + sizes - 1) // sizes)
     parts, start = [], 0
@@ -258,6 +274,8 @@ def _split(L, node, x, sizes, dim=0):
 
 @handles(aten.unbind.int)
 def _unbind(L, node, x, dim=0):
+    if x.dim_ext(dim % len(x.shape)) is not None:
+        raise LoweringError("unbinding a dynamic dimension is not supported")
     return tuple(views.select(x, dim, i) for i in range(x.shape[dim]))
 
 
@@ -312,15 +330,58 @@ def _embedding(L, node, weight, indices, padding_idx=-1, *rest):
     return TV(Reindex(weight.expr, maps), shape)
 
 
+# ---- data-dependent sizes ----------------------------------------------------------------------
+def _compact(L, node, mask: TV) -> TV:
+    """The row-major indices of mask's nonzero elements, [count, ndim] int64: one kernel writes
+    them at the front of a buffer sized for the worst case and writes `count` into the extents
+    table, so consumers read the size on the device — no host round trip."""
+    if not mask.shape:
+        raise LoweringError("nonzero of a 0-d tensor is not supported")
+    bound = numel(mask.shape)
+    sym = L.data_symbol(node, bound)
+    nd = len(mask.shape)
+    buf = L.new_buffer((bound, nd), "int64")
+    ext = (shapes.simple(bound, sym), None)
+    return L.emit(Kernel("compact", buf, (bound, nd), Acc("int64"),
+                         {"src": mask.expr, "src_shape": mask.shape, "src_ext": mask.ext,
+                          "symbol": sym}, ext=ext))
+
+
+@handles(aten.nonzero.default)
+def _nonzero(L, node, x):
+    return _compact(L, node, x)
+
+
+@handles(aten._local_scalar_dense.default)
+def _item(L, node, x):
+    """`n.item()` used as a size: a one-thread kernel copies the value into the extents table
+    (clamped to the range torch.export proved, which bounds the buffers sized by it)."""
+    val = node.meta["val"]
+    expr = sym_expr(val)
+    if expr is None or x.dtype not in ("int64", "int32", "int16", "int8", "uint8", "bool"):
+        raise LoweringError(".item() is only supported as an integer size")
+    rng = L.program.range_constraints.get(expr)
+    if rng is None or not rng.upper.is_finite:
+        raise LoweringError(f"the size {expr} taken from a tensor has no upper bound: add "
+                            "torch._check(n <= LIMIT) in the model")
+    lo, hi = int(rng.lower) if rng.lower.is_finite else 0, int(rng.upper)
+    sym = L.data_symbol(node, hi)
+    if x.shape:
+        x = views.view(x, ())
+    L.emit(Kernel("to_extent", EXTENTS, (), Acc("int64"),
+                  {"src": x.expr, "symbol": sym, "lo": lo, "hi": hi}))
+    return shapes.SymSize(hi, sym)
+
+
 @handles(aten.index.Tensor)
 def _index(L, node, x, indices):
-    shape, _ = out_meta(node)
     dims = [d for d, i in enumerate(indices) if i is not None]
     if not dims or dims != list(range(dims[0], dims[0] + len(dims))):
         raise LoweringError("only adjacent tensor indices are supported in x[...]")
     k, m = dims[0], len(dims)
     if any(indices[d].dtype == "bool" for d in dims):
-        raise LoweringError("boolean-mask indexing has a data-dependent size (not supported yet)")
+        return _select_by_mask(L, node, x, k, [indices[d] for d in dims])
+    shape, _ = out_meta(node)
     bshape = tuple(torch.broadcast_shapes(*[indices[d].shape for d in dims]))
     nb = len(bshape)
     maps = []
@@ -334,6 +395,27 @@ def _index(L, node, x, indices):
             maps.append(DimMap("expr", expr=e))
         else:
             maps.append(DimMap("dim", d - m + nb))
+    return TV(Reindex(x.expr, maps), shape)
+
+
+def _select_by_mask(L, node, x: TV, k: int, masks) -> TV:
+    """x[..., mask, ...]: the elements where mask is true, in row-major order (`_compact`), read
+    through their indices."""
+    if len(masks) != 1:
+        raise LoweringError("only one boolean mask per index expression is supported")
+    mask = masks[0]
+    nd = len(mask.shape)
+    if tuple(x.shape[k:k + nd]) != tuple(mask.shape):
+        raise LoweringError("a boolean mask must have the shape of the dimensions it selects")
+    idx = _compact(L, node, mask)
+    shape, _ = out_meta(node)
+    idx_buf = idx.expr.buf
+    maps = [DimMap("dim", d) for d in range(k)]
+    for j in range(nd):
+        strides = [0] * len(shape)
+        strides[k] = nd
+        maps.append(DimMap("expr", expr=Load(idx_buf, j, strides)))
+    maps += [DimMap("dim", d - nd + 1) for d in range(k + nd, len(x.shape))]
     return TV(Reindex(x.expr, maps), shape)
 
 
@@ -354,18 +436,32 @@ def _gather(L, node, x, dim, index, sparse_grad=False):
 
 
 # ---- reductions ------------------------------------------------------------------------------
-def _reduce(L, x: TV, dims, op: str, keepdim: bool, out_dtype: str, scale=None) -> TV:
+def _count(x: TV, dims):
+    """How many elements `dims` of x hold: an int, or a size expression when one is dynamic."""
+    total = 1
+    for d in dims:
+        e = x.dim_ext(d)
+        total = total * (x.shape[d] if e is None else shapes.true_size(e, x.shape[d]))
+    return total
+
+
+def _reduce(L, x: TV, dims, op: str, keepdim: bool, out_dtype: str, divisor=None) -> TV:
+    """A reduction kernel; `divisor` (int or size expression) scales the result (mean, var)."""
     ndim = len(x.shape)
     dims = sorted({d % ndim for d in (dims if dims else range(ndim))}) if ndim else []
     kept = [d for d in range(ndim) if d not in dims]
     out_shape = tuple(x.shape[d] for d in kept)
+    out_ext = tuple(x.dim_ext(d) for d in kept)
     acc_dtype = "float32" if out_dtype in ("float32", "float16", "bfloat16") else (
         "float64" if out_dtype == "float64" else "int64")
     if op in ("any", "all"):
         acc_dtype = "int64"
     epilogue = Acc(acc_dtype)
-    if scale is not None:
-        epilogue = Op("mul", [epilogue, Const(scale, acc_dtype)], acc_dtype)
+    if isinstance(divisor, int):
+        epilogue = Op("mul", [epilogue, Const(1.0 / max(divisor, 1), acc_dtype)], acc_dtype)
+    elif divisor is not None:
+        count = Op("cast", [SymValue(divisor)], acc_dtype)
+        epilogue = Op("div", [epilogue, count], acc_dtype)
     if op in ("any", "all"):
         epilogue = Op("ne", [epilogue, Const(0, "int64")], "bool")
     elif acc_dtype != out_dtype:
@@ -373,7 +469,7 @@ def _reduce(L, x: TV, dims, op: str, keepdim: bool, out_dtype: str, scale=None) 
     buf = L.new_buffer(out_shape, out_dtype)
     result = L.emit(Kernel("reduction", buf, out_shape, epilogue,
                            {"src": x.expr, "src_shape": x.shape, "rdims": tuple(dims), "op": op,
-                            "acc_dtype": acc_dtype}))
+                            "acc_dtype": acc_dtype, "src_ext": x.ext}, ext=out_ext))
     if keepdim:
         full = tuple(1 if d in dims else x.shape[d] for d in range(ndim))
         result = views.view(result, full)
@@ -396,8 +492,8 @@ def _sum(L, node, x, dims=None, keepdim=False, dtype=None):
 def _mean(L, node, x, dims=None, keepdim=False, dtype=None):
     shape, out_dtype = out_meta(node)
     dims = _dims_arg(dims)
-    count = numel([x.shape[d] for d in dims]) if dims else numel(x.shape)
-    return _reduce(L, x, dims, "sum", keepdim, out_dtype, scale=1.0 / max(count, 1))
+    count = _count(x, [d % len(x.shape) for d in dims] if dims else range(len(x.shape)))
+    return _reduce(L, x, dims, "sum", keepdim, out_dtype, divisor=count)
 
 
 @handles(aten.amax.default, aten.amin.default)
@@ -409,7 +505,7 @@ def _amax(L, node, x, dims=(), keepdim=False):
 
 @handles(aten.any.dim, aten.any.dims, aten.any.default)
 def _any(L, node, x, dims=None, keepdim=False):
-    src = TV(Op("cast", [Op("ne", [x.expr, Const(0, x.dtype)], "bool")], "int64"), x.shape)
+    src = TV(Op("cast", [Op("ne", [x.expr, Const(0, x.dtype)], "bool")], "int64"), x.shape, x.ext)
     return _reduce(L, src, _dims_arg(dims), "max", keepdim, "bool")
 
 
@@ -418,13 +514,14 @@ def _var(L, node, x, dims=None, correction=None, keepdim=False):
     dims = _dims_arg(dims)
     nd = len(x.shape)
     rd = sorted({d % nd for d in dims}) if dims else list(range(nd))
-    count = numel([x.shape[d] for d in rd])
+    count = _count(x, rd)
     correction = 1 if correction is None else correction
     dtype = x.dtype
-    mean = _reduce(L, x, rd, "sum", True, dtype, scale=1.0 / count)
+    mean = _reduce(L, x, rd, "sum", True, dtype, divisor=count)
     diff = Op("sub", [x.expr, views.expand(mean, x.shape).expr], dtype)
-    sq = TV(Op("mul", [diff, diff], dtype), x.shape)
-    var = _reduce(L, sq, rd, "sum", keepdim, dtype, scale=1.0 / max(count - correction, 1))
+    sq = TV(Op("mul", [diff, diff], dtype), x.shape, x.ext)
+    dof = max(count - correction, 1) if isinstance(count, int) else sympy.Max(count - correction, 1)
+    var = _reduce(L, sq, rd, "sum", keepdim, dtype, divisor=dof)
     if node.target == aten.var_mean.correction:
         return var, (mean if keepdim else views.squeeze(mean, rd))
     return var
@@ -441,7 +538,8 @@ def _softmax(L, node, x, dim, half_to_float=False):
     src = views.permute(x, perm)
     buf = L.new_buffer(src.shape, dtype)
     out = L.emit(Kernel("softmax", buf, src.shape, Acc("float32"),
-                        {"src": src.expr, "log": node.target == aten._log_softmax.default}))
+                        {"src": src.expr, "log": node.target == aten._log_softmax.default},
+                        ext=src.ext))
     inverse = [perm.index(d) for d in range(nd)]
     return views.permute(out, inverse)
 
@@ -449,16 +547,18 @@ def _softmax(L, node, x, dim, half_to_float=False):
 @handles(aten.native_layer_norm.default)
 def _layer_norm(L, node, x, normalized_shape, weight, bias, eps):
     val = node.meta["val"][0]
-    shape, dtype = tuple(int(s) for s in val.shape), dtype_name(val.dtype)
+    shape, dtype = tuple(size_of(s) for s in val.shape), dtype_name(val.dtype)
     n = numel(normalized_shape)
     rows = numel(x.shape) // max(n, 1)
+    if any(x.dim_ext(d) is not None for d in range(len(x.shape) - len(normalized_shape), len(x.shape))):
+        raise LoweringError("layer norm over a dynamic dimension is not supported")
     src = views.view(x, (rows, n))
     inputs = {"src": src.expr, "eps": float(eps)}
     for key, t in (("weight", weight), ("bias", bias)):
         if t is not None:
             inputs[key] = views.expand(views.view(t, (n,)), (rows, n)).expr
     buf = L.new_buffer((rows, n), dtype)
-    out = L.emit(Kernel("layer_norm", buf, (rows, n), Acc("float32"), inputs))
+    out = L.emit(Kernel("layer_norm", buf, (rows, n), Acc("float32"), inputs, ext=src.ext))
     if any(len(u.users) for u in node.users if u.args[1] != 0):  # getitem 1, 2
         raise LoweringError("layer_norm's mean/rstd outputs are not supported (inference only)")
     return views.view(out, shape), None, None
@@ -478,19 +578,25 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
         epilogue = epilogue_fn(epilogue, out_shape)
     low = {a.dtype, b.dtype} & {"float16", "bfloat16"}
     split = gemm_plan(m, n, k, batch, 2 if low else 4).split
+    ext = (a.dim_ext(0), a.dim_ext(1), b.dim_ext(2))
+    if a.dim_ext(0) is not None or a.dim_ext(2) is not None:
+        split = 1   # partial sums over a dynamic batch or K: keep one kernel
     inputs = {"a": a.expr, "b": b.expr, "m": m, "n": n, "k": k, "batch": batch,
-              "fp32_precision": L.options["fp32_matmul"], "split": split}
+              "fp32_precision": L.options["fp32_matmul"], "split": split,
+              "k_ext": a.dim_ext(2) if a.dim_ext(2) is not None else b.dim_ext(1)}
     buf = L.new_buffer(shape, dtype)
     if split == 1:
-        return views.view(L.emit(Kernel("matmul", buf, out_shape, epilogue, inputs)), shape)
+        return views.view(L.emit(Kernel("matmul", buf, out_shape, epilogue, inputs, ext=ext)),
+                          shape)
     # split-K: fp32 partial sums [split, batch, m, n], then a reduction that applies the epilogue
     partial = L.new_buffer((split, batch, m, n), "float32")
-    sums = L.emit(Kernel("matmul", partial, (split * batch, m, n), Acc("float32"), inputs))
+    sums = L.emit(Kernel("matmul", partial, (split * batch, m, n), Acc("float32"), inputs,
+                         ext=ext))
+    sums = views.view(sums, (split, batch, m, n))
     L.emit(Kernel("reduction", buf, out_shape, epilogue,
                   {"src": sums.expr, "src_shape": (split, batch, m, n), "rdims": (0,),
-                   "op": "sum", "acc_dtype": "float32"}))
-    return views.contiguous_load(buf) if tuple(shape) == out_shape else \
-        views.view(views.contiguous_load(buf), shape)
+                   "op": "sum", "acc_dtype": "float32", "src_ext": sums.ext}, ext=ext))
+    return views.view(views.contiguous_load(buf, ext), shape)
 
 
 @handles(aten.mm.default, aten.bmm.default)
@@ -521,6 +627,8 @@ def _convolution(L, node, x, w, bias, stride, padding, dilation, transposed, out
     shape, dtype = out_meta(node)
     if transposed or groups != 1 or len(x.shape) != 4:
         raise LoweringError("only 2-D, non-transposed, groups=1 convolutions are supported")
+    if x.ext is not None:
+        raise LoweringError("convolution over dynamic dimensions is not supported")
     nb, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     _, _, oh, ow = shape
@@ -576,19 +684,22 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         def widen(t):
             head = Op("floordiv", [Index(1), Const(rep, "int64")], "int64")
             maps = [DimMap("dim", 0), DimMap("expr", expr=head), DimMap("dim", 2), DimMap("dim", 3)]
-            return TV(Reindex(t.expr, maps), (b, h) + t.shape[2:])
+            return TV(Reindex(t.expr, maps), (b, h) + t.shape[2:], t.ext)
         k4, v4 = widen(k4), widen(v4)
     q4, k4, v4 = L.operand(q4), L.operand(k4), L.operand(v4)
     inputs = {"q": q4.expr, "k": k4.expr, "v": v4.expr, "b": b, "h": h, "lq": lq, "lk": lk,
               "d": d, "dv": dv, "causal": bool(is_causal),
               "scale": float(scale) if scale is not None else 1.0 / math.sqrt(d),
-              "fp32_precision": L.options["fp32_matmul"]}
+              "fp32_precision": L.options["fp32_matmul"], "lk_ext": k4.dim_ext(2)}
+    if q4.dim_ext(3) is not None or k4.dim_ext(3) is not None or v4.dim_ext(3) is not None:
+        raise LoweringError("attention with a dynamic head dimension is not supported")
     if attn_mask is not None:
         mask = attn_mask
         while len(mask.shape) < 4:
             mask = views.unsqueeze(mask, 0)
         inputs["mask"] = views.expand(mask, (b, h, lq, lk)).expr
     buf = L.new_buffer((b, h, lq, dv), dtype)
-    out = L.emit(Kernel("attention", buf, (b, h, lq, dv), Acc("float32"), inputs))
+    ext = (q4.dim_ext(0), q4.dim_ext(1), q4.dim_ext(2), None)
+    out = L.emit(Kernel("attention", buf, (b, h, lq, dv), Acc("float32"), inputs, ext=ext))
     return views.view(out, shape)
 

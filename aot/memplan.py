@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .ir import Buffer, Kernel
 
 ALIGN = 256
+DATA_SIZE_FAMILIES = ("compact", "to_extent")   # kernels that write a size into the extents
 
 
 def align(n: int, a: int = ALIGN) -> int:
@@ -80,9 +81,11 @@ def check_plan(plan: MemoryPlan) -> None:
                 raise AssertionError(f"memory plan: {a.buffer.name} and {b.buffer.name} overlap")
 
 
-def dependencies(kernels: list[Kernel], plan: MemoryPlan) -> list[list[int]]:
-    """deps[j] = earlier kernels that j must wait for (RAW, WAR, WAW on arena byte ranges and
-    I/O slots). Transitively implied edges are dropped."""
+def dependencies(kernels: list[Kernel], plan: MemoryPlan,
+                 extents_readers: list[bool] | None = None) -> list[list[int]]:
+    """deps[j] = earlier kernels that j must wait for (RAW, WAR, WAW on arena byte ranges, I/O
+    slots and the extents words that data-dependent sizes are written to). Transitively implied
+    edges are dropped. `extents_readers[j]`: kernel j reads size symbols (known after codegen)."""
 
     def ranges(bufs):
         out = []
@@ -96,6 +99,11 @@ def dependencies(kernels: list[Kernel], plan: MemoryPlan) -> list[list[int]]:
 
     writes = [ranges([k.out]) for k in kernels]
     reads = [ranges(k.reads()) for k in kernels]
+    for j, k in enumerate(kernels):
+        if k.family in DATA_SIZE_FAMILIES:
+            writes[j].append(("extents", 0, 1))
+        if extents_readers and extents_readers[j]:
+            reads[j].append(("extents", 0, 1))
 
     def conflict(xs, ys):
         return any(a[0] == b[0] and a[1] < b[2] and b[1] < a[2] for a in xs for b in ys)

@@ -1,22 +1,26 @@
 """Stage 7: everything the runtime needs, as one manifest plus sections (formats/ writes the file).
 
-The graph's node 0 is the table writer; kernel node j+1 is kernel j of the schedule. A kernel
-argument is a byte range of a region (weights, arena, or the table slot of an I/O tensor) so the
-loader can check every range before anything is launched.
+One graph per bucket. A graph's node 0 is the table writer; kernel node j+1 is kernel j of its
+schedule. A kernel argument is a byte range of a region (weights, arena, the table slot of an I/O
+tensor, or the extents words) so the loader can check every range before anything is launched.
+Kernels are shared between graphs where their sources are identical.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass, field
 
 import torch
 
 from .codegen import KernelSource
 from .ir import Buffer, Program
 from .memplan import MemoryPlan
+from .shapes import sym_expr, to_manifest
 
 
-def table_layout(program: Program) -> tuple[list[dict], int]:
-    """Assign a table slot to each input then each output: u64 pointer, sizes, strides."""
+def table_layout(program: Program, n_symbols: int = 0) -> tuple[list[dict], dict, int]:
+    """Assign a table slot to each input then each output (u64 pointer, sizes, strides), then the
+    extents: one i64 word per size symbol."""
     slots, offset = [], 0
     for role, bufs in (("input", program.inputs), ("output", program.outputs)):
         for buf in bufs:
@@ -25,37 +29,52 @@ def table_layout(program: Program) -> tuple[list[dict], int]:
             slots.append({"name": buf.name, "role": role, "offset": offset, "rank": rank})
             offset += (1 + 2 * rank) * 8
             offset = (offset + 15) // 16 * 16
-    return slots, max(offset, 16)
+    extents = {"offset": offset, "count": n_symbols}
+    offset += 8 * n_symbols
+    return slots, extents, max((offset + 15) // 16 * 16, 16)
 
 
-def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict]) -> dict:
+@dataclass
+class GraphBuild:
+    """One bucket's compiled graph: its program, kernels, memory plan and sources."""
+
+    name: str
+    bucket: dict                 # symbol name -> bound
+    program: Program
+    kernels: list
+    plan: MemoryPlan
+    deps: list
+    sources: list
+    stats: dict = field(default_factory=dict)
+
+
+def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict) -> dict:
     if buf.kind == "arena":
         p = plan.arena[id(buf)]
         return {"region": "arena", "offset": p.offset, "nbytes": buf.nbytes, "dtype": buf.dtype}
     if buf.kind == "weight":
         return {"region": "weights", "offset": plan.weights[id(buf)], "nbytes": buf.nbytes,
                 "dtype": buf.dtype}
-    return {"region": "table", "offset": slots[buf.slot]["offset"], "nbytes": 8, "dtype": "int64"}
+    if buf.kind == "extents":
+        return {"region": "table", "offset": extents["offset"], "nbytes": 8 * extents["count"],
+                "dtype": "int64"}
+    slot = slots[buf.slot]
+    return {"region": "table", "offset": slot["offset"], "nbytes": 8 * (1 + 2 * slot["rank"]),
+            "dtype": "int64"}
 
 
 def weight_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def build_manifest(program: Program, kernels, plan: MemoryPlan, deps, sources: list[KernelSource],
-                   writer: KernelSource, binaries: dict, archs: list[str], options: dict,
-                   slots: list[dict], table_nbytes: int) -> tuple[dict, dict[str, bytes]]:
-    import triton
-
-    from grace.formats import encode_weights
-
-    sections: dict[str, bytes] = {}
+def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: dict,
+                    archs: list[str], sections: dict) -> tuple[list[dict], dict[str, int]]:
     unique: dict[str, int] = {}
-    kernel_entries = []
-    for src in [writer] + sources:
+    entries = []
+    for src in [writer] + [s for g in graphs for s in g.sources]:
         if src.name in unique:
             continue
-        unique[src.name] = len(kernel_entries)
+        unique[src.name] = len(entries)
         sha = hashlib.sha256(src.source.encode()).hexdigest()
         sections[f"src/{src.name}.py"] = src.source.encode()
         entry_bins, shared, gscratch, pscratch = {}, 0, 0, 0
@@ -68,42 +87,74 @@ def build_manifest(program: Program, kernels, plan: MemoryPlan, deps, sources: l
             gscratch = max(gscratch, binary.global_scratch_size)
             pscratch = max(pscratch, binary.profile_scratch_size)
         params = [{"name": f"p{i}", "type": t} for i, t in enumerate(src.param_types)]
-        kernel_entries.append({
+        entries.append({
             "name": src.name, "family": src.family, "params": params,
             "num_warps": src.num_warps, "num_stages": src.num_stages, "shared": shared,
             "hidden_params": 2, "global_scratch_size": gscratch,
             "profile_scratch_size": pscratch, "source_sha256": sha,
             "binaries": entry_bins, "source": f"src/{src.name}.py"})
+    return entries, unique
 
-    words = sum(1 + 2 * s["rank"] for s in slots)
+
+def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, extents,
+                 table_nbytes: int) -> dict:
+    words = sum(1 + 2 * s["rank"] for s in slots) + extents["count"]
     nodes = [{"kernel": unique[writer.name], "grid": [1, 1, 1],
               "args": [{"region": "table", "offset": 0, "nbytes": table_nbytes, "dtype": "int64"}]
               + [{"word": i} for i in range(words)],
               "deps": [], "label": "table_writer"}]
-    for j, (kernel, src) in enumerate(zip(kernels, sources)):
-        touches_io = any(b.kind in ("input", "output") for b in src.buffers)
-        node_deps = [i + 1 for i in deps[j]]
-        if touches_io:
+    for j, (kernel, src) in enumerate(zip(g.kernels, g.sources)):
+        reads_table = any(b.kind in ("input", "output", "extents") for b in src.buffers)
+        node_deps = [i + 1 for i in g.deps[j]]
+        if reads_table:
             node_deps = [0] + node_deps
         nodes.append({"kernel": unique[src.name], "grid": list(src.grid),
-                      "args": [_arg(b, plan, slots) for b in src.buffers],
+                      "args": [_arg(b, g.plan, slots, extents) for b in src.buffers],
                       "deps": node_deps, "label": kernel.label})
-
     families: dict[str, int] = {}
-    for src in sources:
+    for src in g.sources:
         families[src.family] = families.get(src.family, 0) + 1
+    stats = {"kernels": len(g.kernels), "unique_kernels": len({s.name for s in g.sources}),
+             "families": families, "weights_nbytes": g.plan.weights_nbytes,
+             "arena_nbytes": g.plan.arena_nbytes, **g.stats}
+    return {"name": g.name, "bucket": dict(g.bucket), "arena": max(g.plan.arena_nbytes, 256),
+            "nodes": nodes, "stats": stats}
+
+
+def _shape(sizes, names: dict) -> list:
+    return [int(d) if sym_expr(d) is None else to_manifest(sym_expr(d), names) for d in sizes]
+
+
+def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource,
+                   binaries: dict, archs: list[str], options: dict, slots: list[dict],
+                   extents: dict, table_nbytes: int) -> tuple[dict, dict[str, bytes]]:
+    import triton
+
+    from grace.formats import encode_weights
+
+    sections: dict[str, bytes] = {}
+    kernel_entries, unique = _kernel_entries(writer, graphs, binaries, archs, sections)
+    first = graphs[0]
+    program, plan = first.program, first.plan
+    names = {s.expr: s.name for s in symbols}
     manifest = {
         "producer": {"grace": _grace_version(), "torch": torch.__version__.split("+")[0],
                      "triton": triton.__version__},
         "model": {"name": program.name},
         "archs": list(archs),
         "options": dict(options),
-        "inputs": [{"name": b.name, "dtype": b.dtype, "shape": list(b.shape), "slot": b.slot}
+        "symbols": [{"name": s.name, "kind": s.kind, "min": s.lo,
+                     "max": s.hi if s.hi is not None else max(g.bucket[s.name] for g in graphs),
+                     "sources": [list(src) for src in s.sources]} for s in symbols],
+        "inputs": [{"name": b.name, "dtype": b.dtype,
+                    "shape": _shape(program.sizes.get(b.name, b.shape), names), "slot": b.slot}
                    for b in program.inputs],
-        "outputs": [{"name": b.name, "dtype": b.dtype, "shape": list(b.shape), "slot": b.slot}
+        "outputs": [{"name": b.name, "dtype": b.dtype,
+                     "shape": _shape(program.sizes.get(b.name, b.shape), names), "slot": b.slot}
                     for b in program.outputs],
-        "table": {"nbytes": table_nbytes, "slots": slots},
-        "regions": {"weights": max(plan.weights_nbytes, 256), "arena": max(plan.arena_nbytes, 256),
+        "table": {"nbytes": table_nbytes, "slots": slots, "extents": dict(extents)},
+        "regions": {"weights": max(plan.weights_nbytes, 256),
+                    "arena": max(max(g.plan.arena_nbytes for g in graphs), 256),
                     "table": table_nbytes},
         "weights": [{"name": b.name, "dtype": b.dtype, "shape": list(b.shape),
                      "offset": plan.weights[id(b)], "nbytes": b.nbytes}
@@ -112,11 +163,8 @@ def build_manifest(program: Program, kernels, plan: MemoryPlan, deps, sources: l
                            "first": p.first + 1, "last": p.last + 1}
                           for p in sorted(plan.arena.values(), key=lambda p: p.first)],
         "kernels": kernel_entries,
-        "graphs": [{"name": "main", "nodes": nodes,
-                    "stats": {"kernels": len(kernels), "unique_kernels": len(kernel_entries) - 1,
-                              "families": families,
-                              "weights_nbytes": plan.weights_nbytes,
-                              "arena_nbytes": plan.arena_nbytes}}],
+        "graphs": [_graph_entry(g, writer, unique, slots, extents, table_nbytes)
+                   for g in graphs],
     }
     sections["weights"] = encode_weights({
         b.name: (b.dtype, tuple(b.shape), weight_bytes(program.weight_data[b.name]))

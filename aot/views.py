@@ -2,25 +2,40 @@
 
 A view never copies. `remap` pushes an index mapping down to the `Load` leaves, where it folds into
 the leaf's offset and strides; only nodes that cannot absorb it (concatenations, gathers, padded
-reads) keep an explicit `Reindex`. `reshape` does the same through torch's own view rules (on meta
-tensors), falling back to an explicit `Reshape` (ravel/unravel in the kernel) where strides cannot
-express it.
+reads, user tensors whose strides are only known at run time) keep an explicit `Reindex`.
+`reshape` does the same through torch's own view rules (on meta tensors), falling back to an
+explicit `Reshape` (ravel/unravel in the kernel) where strides cannot express it.
+
+Each view also carries the value's extents along (`TV.ext`, see shapes.py): which elements of the
+bucket-sized index space are real.
 """
 from __future__ import annotations
 
 import torch
 
+from . import shapes
 from .ir import (Cat, Const, DimMap, Expr, Index, Load, Op, Reindex, Reshape, contiguous_strides,
                  numel)
 
 
 class TV:
-    """A tensor value during lowering: an expression over the index space `shape`."""
+    """A tensor value during lowering: an expression over the index space `shape` (bucket sizes).
+    `ext`: per-dimension extents (shapes.py), or None when every dimension is static."""
 
-    __slots__ = ("expr", "shape")
+    __slots__ = ("expr", "shape", "ext")
 
-    def __init__(self, expr: Expr, shape):
+    def __init__(self, expr: Expr, shape, ext=None):
         self.expr, self.shape = expr, tuple(int(s) for s in shape)
+        if ext is not None and all(e is None for e in ext):
+            ext = None
+        assert ext is None or len(ext) == len(self.shape), (ext, self.shape)
+        self.ext = tuple(ext) if ext is not None else None
+
+    def dim_ext(self, d: int):
+        return None if self.ext is None else self.ext[d]
+
+    def exts(self) -> tuple:
+        return self.ext if self.ext is not None else (None,) * len(self.shape)
 
     @property
     def dtype(self) -> str:
@@ -38,7 +53,7 @@ def remap(expr: Expr, maps: list[DimMap], ndim: int) -> Expr:
         key = id(node)
         if key in memo:
             return memo[key]
-        if isinstance(node, Load) and all(m.kind != "expr" for m in maps):
+        if isinstance(node, Load) and not node.buf.dynamic and all(m.kind != "expr" for m in maps):
             offset, strides = node.offset, [0] * ndim
             for stride, m in zip(node.strides, maps):
                 offset += m.start * stride
@@ -113,7 +128,7 @@ def reshape(expr: Expr, old_shape, new_shape) -> Expr:
         if key in memo:
             return memo[key]
         out = None
-        if isinstance(node, Load):
+        if isinstance(node, Load) and not node.buf.dynamic:
             strides = view_strides(old_shape, node.strides, new_shape)
             if strides is not None:
                 out = Load(node.buf, node.offset, strides)
@@ -130,19 +145,25 @@ def reshape(expr: Expr, old_shape, new_shape) -> Expr:
 
 
 # ---- the view ops, each as an index map ------------------------------------------------------
-def expand(tv: TV, shape) -> TV:
+def expand(tv: TV, shape, ext=None) -> TV:
+    """Broadcast to `shape`; `ext` gives the extents of the result where a dimension is new or
+    grows from 1 (a broadcast to a dynamic size), else they come from `tv`."""
     shape = tuple(int(s) if s != -1 else None for s in shape)
     lead = len(shape) - len(tv.shape)
     shape = tuple(tv.shape[i - lead] if s is None else s for i, s in enumerate(shape))
     if shape == tv.shape:
         return tv
+    given = tuple(ext) if ext is not None else (None,) * len(shape)
+    out_ext = list(given[:lead])
     maps = []
     for d, size in enumerate(tv.shape):
         if size == 1 and shape[d + lead] != 1:
             maps.append(DimMap("const", start=0))
+            out_ext.append(given[d + lead])
         else:
             maps.append(DimMap("dim", d + lead))
-    return TV(remap(tv.expr, maps, len(shape)), shape)
+            out_ext.append(tv.dim_ext(d))
+    return TV(remap(tv.expr, maps, len(shape)), shape, out_ext)
 
 
 def permute(tv: TV, dims) -> TV:
@@ -152,10 +173,12 @@ def permute(tv: TV, dims) -> TV:
     maps = [None] * len(dims)
     for new, old in enumerate(dims):
         maps[old] = DimMap("dim", new)
-    return TV(remap(tv.expr, maps, len(dims)), [tv.shape[d] for d in dims])
+    return TV(remap(tv.expr, maps, len(dims)), [tv.shape[d] for d in dims],
+              [tv.dim_ext(d) for d in dims])
 
 
-def slice_(tv: TV, dim: int, start, end, step: int = 1) -> TV:
+def slice_(tv: TV, dim: int, start, end, step: int = 1, entry="keep") -> TV:
+    """`entry`: the extent of the sliced dimension in the result ("keep": unchanged)."""
     dim %= len(tv.shape)
     size = tv.shape[dim]
     start = 0 if start is None else start
@@ -163,13 +186,16 @@ def slice_(tv: TV, dim: int, start, end, step: int = 1) -> TV:
     start = max(0, min(size, start + size if start < 0 else start))
     end = max(start, min(size, end + size if end < 0 else end))
     new_size = (end - start + step - 1) // step
+    ext = list(tv.exts())
+    if entry != "keep":
+        ext[dim] = entry
     if start == 0 and step == 1 and new_size == size:
-        return tv
+        return TV(tv.expr, tv.shape, ext)
     maps = [DimMap("dim", d) for d in range(len(tv.shape))]
     maps[dim] = DimMap("dim", dim, step, start)
     shape = list(tv.shape)
     shape[dim] = new_size
-    return TV(remap(tv.expr, maps, len(shape)), shape)
+    return TV(remap(tv.expr, maps, len(shape)), shape, ext)
 
 
 def select(tv: TV, dim: int, index: int) -> TV:
@@ -182,14 +208,16 @@ def select(tv: TV, dim: int, index: int) -> TV:
         else:
             maps.append(DimMap("dim", d if d < dim else d - 1))
     shape = tv.shape[:dim] + tv.shape[dim + 1:]
-    return TV(remap(tv.expr, maps, len(shape)), shape)
+    ext = tv.exts()
+    return TV(remap(tv.expr, maps, len(shape)), shape, ext[:dim] + ext[dim + 1:])
 
 
 def unsqueeze(tv: TV, dim: int) -> TV:
     dim %= len(tv.shape) + 1
     maps = [DimMap("dim", d if d < dim else d + 1) for d in range(len(tv.shape))]
     shape = tv.shape[:dim] + (1,) + tv.shape[dim:]
-    return TV(remap(tv.expr, maps, len(shape)), shape)
+    ext = tv.exts()
+    return TV(remap(tv.expr, maps, len(shape)), shape, ext[:dim] + (None,) + ext[dim:])
 
 
 def squeeze(tv: TV, dims=None) -> TV:
@@ -208,7 +236,8 @@ def squeeze(tv: TV, dims=None) -> TV:
             maps.append(DimMap("dim", kept))
             kept += 1
     shape = tuple(s for d, s in enumerate(tv.shape) if d not in dims)
-    return TV(remap(tv.expr, maps, len(shape)), shape)
+    ext = [e for d, e in enumerate(tv.exts()) if d not in dims]
+    return TV(remap(tv.expr, maps, len(shape)), shape, ext)
 
 
 def view(tv: TV, shape) -> TV:
@@ -216,11 +245,16 @@ def view(tv: TV, shape) -> TV:
     if -1 in shape:
         known = numel([s for s in shape if s != -1])
         shape[shape.index(-1)] = numel(tv.shape) // known if known else 0
-    return TV(reshape(tv.expr, tv.shape, shape), shape)
+    ext = shapes.regroup(tv.shape, tv.ext, shape) if tv.ext is not None else None
+    return TV(reshape(tv.expr, tv.shape, shape), shape, ext)
 
 
 def cat(tvs: list[TV], dim: int, dtype: str) -> TV:
     dim %= len(tvs[0].shape)
+    if any(t.dim_ext(dim) is not None for t in tvs):
+        raise shapes.ShapeError("concatenation along a dynamic dimension is not supported (the "
+                                "parts' boundaries would move with the true sizes)")
+    ext = next((t.ext for t in tvs if t.ext is not None), None)
     tvs = [t for t in tvs if t.shape[dim] > 0]
     if len(tvs) == 1:
         return tvs[0]
@@ -232,7 +266,7 @@ def cat(tvs: list[TV], dim: int, dtype: str) -> TV:
     shape = list(tvs[0].shape)
     shape[dim] = acc
     parts = [t.expr if t.dtype == dtype else Op("cast", [t.expr], dtype) for t in tvs]
-    return TV(Cat(parts, dim, starts, sizes, dtype), shape)
+    return TV(Cat(parts, dim, starts, sizes, dtype), shape, ext)
 
 
 def pad(tv: TV, pads, value) -> TV:
@@ -243,11 +277,13 @@ def pad(tv: TV, pads, value) -> TV:
     for i in range(len(pads) // 2):
         d = ndim - 1 - i
         lo, hi = pads[2 * i], pads[2 * i + 1]
+        if tv.dim_ext(d) is not None and (lo or hi):
+            raise shapes.ShapeError("padding a dynamic dimension is not supported")
         shape[d] += lo + hi
         maps[d] = DimMap("dim", d, 1, -lo)
     expr = Reindex(tv.expr, maps, bounds=tv.shape, fill=value)
-    return TV(expr, shape)
+    return TV(expr, shape, tv.ext)
 
 
-def contiguous_load(buf) -> TV:
-    return TV(Load(buf, 0, contiguous_strides(buf.shape)), buf.shape)
+def contiguous_load(buf, ext=None) -> TV:
+    return TV(Load(buf, 0, contiguous_strides(buf.shape)), buf.shape, ext)

@@ -144,8 +144,12 @@ def test_deep_small_gemm_splits_k():
     assert kernels[1].out.kind == "output"   # bias + ReLU + output copy fused into the reduction
 
 
-def test_dynamic_shapes_are_rejected_clearly():
+def test_dynamic_dims_need_a_bucket_to_lower():
+    """Lowering a program with a dynamic dimension needs every symbol's bound (its bucket)."""
     seq = torch.export.Dim("seq", min=2, max=64)
     program = torch.export.export(models.MLP(), (torch.randn(8, 64),), dynamic_shapes=({0: seq},))
-    with pytest.raises(LoweringError, match="dynamic dimensions"):
-        lower.lower(export.to_core_aten(program))
+    core = export.to_core_aten(program)
+    (sym,) = core.range_constraints
+    prog = lower.lower(core, bucket={sym: 32})
+    assert prog.inputs[0].shape == (32, 64) and prog.inputs[0].dynamic == (True, False)
+    assert all(k.ext is not None and any(k.ext) for k in prog.kernels)

@@ -1,0 +1,120 @@
+"""Compiler side of shape buckets: symbols, bucket lists, extents through views, and what the
+package records. Numerics at many sizes are in test_buckets_interpret.py."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+import sympy  # noqa: E402
+from torch.export import Dim  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.aot import shapes  # noqa: E402
+from grace.aot.lower import LoweringError  # noqa: E402
+from grace.formats import read_package  # noqa: E402
+from grace.tools import models  # noqa: E402
+
+S = sympy.Symbol("s0", positive=True, integer=True)
+B = sympy.Symbol("s1", positive=True, integer=True)
+
+
+def test_default_buckets_are_powers_of_two_ending_at_the_max():
+    assert shapes.default_buckets(1, 512) == [16, 32, 64, 128, 256, 512]
+    assert shapes.default_buckets(1, 100) == [16, 32, 64, 100]
+    assert shapes.default_buckets(40, 100) == [64, 100]
+    assert shapes.default_buckets(1, 8) == [8]
+
+
+def test_bucket_overrides_are_checked():
+    sym = shapes.Symbol("seq", S, 1, 300, ((0, 1),))
+    assert shapes.bucket_lists([sym], {"seq": [64, 512]}) == {"seq": [64, 300]}
+    with pytest.raises(shapes.ShapeError, match="dynamic dimensions are: seq"):
+        shapes.bucket_lists([sym], {"len": [64]})
+    with pytest.raises(shapes.ShapeError, match="below the exported maximum 300"):
+        shapes.bucket_lists([sym], {"seq": [64, 128]})
+
+
+def test_combinations_are_the_product_of_bucket_lists():
+    a = shapes.Symbol("seq", S, 1, 64, ((0, 1),))
+    b = shapes.Symbol("batch", B, 1, 4, ((0, 0),))
+    combos = shapes.combinations([a, b], {"seq": [32, 64], "batch": [2, 4]})
+    assert combos == [{"seq": 32, "batch": 2}, {"seq": 32, "batch": 4},
+                      {"seq": 64, "batch": 2}, {"seq": 64, "batch": 4}]
+
+
+def test_regroup_keeps_dynamic_factors_whole():
+    seq = ((32, S),)
+    # [S, 64] -> [S*64]: one dimension, the dynamic factor outermost (a prefix)
+    merged = shapes.regroup((32, 64), (seq, None), (32 * 64,))
+    assert merged == (((32, S), (64, 64)),)
+    assert shapes.is_prefix(merged[0])
+    # [B, S] -> [B*S]: valid rows are not a prefix, both factors are kept
+    both = shapes.regroup((4, 32), (((4, B),), seq), (128,))
+    assert both == (((4, B), (32, S)),) and not shapes.is_prefix(both[0])
+    # and split back
+    assert shapes.regroup((128,), both, (4, 32)) == (((4, B),), seq)
+    # static factors split freely around it: [S, 64] -> [S, 4, 16]
+    assert shapes.regroup((32, 64), (seq, None), (32, 4, 16)) == (seq, None, None)
+    with pytest.raises(shapes.ShapeError, match="split the dynamic"):
+        shapes.regroup((32, 64), (seq, None), (16, 128))
+
+
+def test_manifest_shape_expressions():
+    names = {S: "seq", B: "batch"}
+    assert shapes.to_manifest(S, names) == "seq"
+    assert shapes.to_manifest(S * 64, names) in (["*", 64, "seq"], ["*", "seq", 64])
+    assert shapes.to_manifest(S - 1, names) == ["-", "seq", 1]
+
+
+def _compile_llama(tmp_path, **kw):
+    torch.manual_seed(0)
+    model = models.LlamaBlock().eval()
+    return grace_compile(model, (torch.randn(1, 17, 64),), output=tmp_path / "llama.grace",
+                         progress=False,
+                         dynamic_shapes={"x": {1: Dim("seq", min=1, max=128)}}, **kw)
+
+
+def test_dynamic_package_records_symbols_buckets_and_graphs(tmp_path):
+    pkg = read_package(_compile_llama(tmp_path, buckets={"seq": [32, 128]}))
+    m = pkg.manifest
+    assert m["symbols"] == [{"name": "seq", "kind": "input", "min": 1, "max": 128,
+                             "sources": [[0, 1]]}]
+    assert m["inputs"][0]["shape"] == [1, "seq", 64]
+    assert m["outputs"][0]["shape"] == [1, "seq", 64]
+    assert [g["bucket"] for g in m["graphs"]] == [{"seq": 32}, {"seq": 128}]
+    assert m["graphs"][0]["arena"] < m["graphs"][1]["arena"] <= m["regions"]["arena"]
+    assert m["table"]["extents"]["count"] == 1
+    assert m["options"]["buckets"] == {"seq": [32, 128]}
+    # kernels read the true length from the extents table
+    sources = [bytes(pkg.section(k["source"])).decode() for k in m["kernels"]]
+    assert sum("tl.load(p0 + 0)" in src for src in sources) >= len(sources) // 2
+
+
+def test_unsupported_dynamic_patterns_are_clear_errors(tmp_path):
+    class CatSeq(torch.nn.Module):
+        def forward(self, x):
+            return torch.cat([x, x], dim=1)
+
+    with pytest.raises(LoweringError, match="concatenation along a dynamic dimension.*cat"):
+        grace_compile(CatSeq(), (torch.randn(1, 17, 8),), output=tmp_path / "c.grace",
+                      progress=False, dynamic_shapes={"x": {1: Dim("seq", min=2, max=64)}})
+
+
+def test_unknown_bucket_name_is_an_error(tmp_path):
+    with pytest.raises(LoweringError, match="dynamic dimensions are: seq"):
+        _compile_llama(tmp_path, buckets={"length": [64, 128]})
+
+
+def test_data_dependent_sizes_become_data_symbols(tmp_path):
+    class NonZero(torch.nn.Module):
+        def forward(self, x):
+            return torch.nonzero(x > 0)
+
+    path = grace_compile(NonZero(), (torch.randn(4, 6),), output=tmp_path / "nz.grace",
+                         progress=False)
+    m = read_package(path).manifest
+    assert m["symbols"] == [{"name": "u0", "kind": "data", "min": 0, "max": 24, "sources": []}]
+    assert m["outputs"][0]["shape"] == ["u0", 2]
+    assert m["graphs"][0]["bucket"] == {"u0": 24}
+    assert "compact" in [k["family"] for k in m["kernels"]]
