@@ -83,7 +83,7 @@ def test_inspect_json(pkg):
                 "table", "memory", "kernels", "graphs", "sections"):
         assert key in d, key
     assert d["model"]["name"] == "handmade"
-    assert d["format_version"][0] == 1
+    assert d["format_version"][0] == 2
     assert d["file_nbytes"] == os.path.getsize(pkg)
     assert set(d["producer"]) >= {"grace", "torch", "triton"}
     assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": [4, 8], "slot": 0}]
@@ -231,3 +231,152 @@ def test_compile_inspect_run_an_exported_model(tmp_path):
     with torch.no_grad():
         ref = model.double()(torch.from_numpy(x).double()).numpy()
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+
+
+# ---- compile --buckets ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("specs, expected", [
+    ([], {}),
+    (["input_ids.1=16,32,64"], {"input_ids.1": [16, 32, 64]}),
+    (["seq=512"], {"seq": [512]}),
+    ([" x.0 = 4, 8 ,16"], {"x.0": [4, 8, 16]}),
+    (["a.0=1,2", "b.1=3"], {"a.0": [1, 2], "b.1": [3]}),
+])
+def test_parse_buckets(specs, expected):
+    from grace.tools.cli import parse_buckets
+
+    assert parse_buckets(specs) == expected
+
+
+@pytest.mark.parametrize("specs, words", [
+    (["input_ids.1"], ["NAME=B1,B2"]),
+    (["=16,32"], ["name", "empty"]),
+    (["seq="], ["no sizes"]),
+    (["seq=16,,32"], ["not an integer"]),
+    (["seq=16,x"], ["'x'", "not an integer"]),
+    (["seq=1.5"], ["not an integer"]),
+    (["seq=0,16"], ["positive", "0"]),
+    (["seq=-16"], ["positive"]),
+    (["seq=32,16"], ["strictly increasing", "16 after 32"]),
+    (["seq=16,16"], ["strictly increasing"]),
+    (["seq=16", "seq=32"], ["'seq'", "twice"]),
+])
+def test_parse_buckets_errors(specs, words):
+    from grace.tools.cli import CliError, parse_buckets
+
+    with pytest.raises(CliError) as e:
+        parse_buckets(specs)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("--buckets")
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_compile_bad_buckets_one_line(tmp_path):
+    """Checked before the export file is even read (an empty file suffices)."""
+    f = tmp_path / "m.pt2"
+    f.write_bytes(b"")
+    err = _one_line_error(grace("compile", f, "-o", tmp_path / "m.grace", "--buckets", "seq=64,32"))
+    assert "--buckets seq" in err and "strictly increasing" in err
+    err = _one_line_error(grace("compile", f, "-o", tmp_path / "m.grace",
+                                "--buckets", "seq=16", "--buckets", "seq=32"))
+    assert "twice" in err
+    assert not (tmp_path / "m.grace").exists()
+
+
+def test_compile_help_explains_buckets():
+    r = grace("compile", "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "--buckets NAME=B1,B2,..." in text
+    assert "powers of two" in text and "INPUT.DIM" in text
+
+
+@pytest.fixture
+def mlp_pt2(tmp_path):
+    torch = pytest.importorskip("torch")
+    from grace.tools.models import MLP
+
+    path = tmp_path / "mlp.pt2"
+    torch.export.save(torch.export.export(MLP().eval(), (torch.randn(3, 64),)), path)
+    return path
+
+
+def test_compile_passes_buckets_and_maps_compiler_errors(mlp_pt2, tmp_path, monkeypatch, capsys):
+    """--buckets reaches aot.compile as {name: [bounds]}; a compiler ValueError (LoweringError for
+    an unknown symbol) becomes one line on stderr, exit 1 (in-process, the compiler stubbed)."""
+    import grace.aot
+    from grace.aot.lower import LoweringError
+    from grace.tools import cli
+
+    seen = {}
+
+    def fake_compile(program, *a, **kw):
+        seen.update(kw)
+        raise LoweringError("unknown bucket symbol 'nope'; the program's symbols are: x.0\nmore")
+
+    monkeypatch.setattr(grace.aot, "compile", fake_compile)
+    code = cli.main(["compile", str(mlp_pt2), "-o", str(tmp_path / "m.grace"),
+                     "--buckets", "nope=4,8", "--buckets", "x.0=2,3"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert seen["buckets"] == {"nope": [4, 8], "x.0": [2, 3]}
+    assert "\n" not in err and err.startswith("grace compile: error: LoweringError")
+    assert "'nope'" in err
+
+
+def test_compile_without_buckets_leaves_the_default(mlp_pt2, tmp_path, monkeypatch):
+    """No --buckets: the compiler gets no buckets, so it picks its default (powers of two)."""
+    import grace.aot
+    from grace.tools import cli
+
+    seen = {}
+
+    def fake_compile(program, *a, output, **kw):
+        seen.update(kw)
+        output.write_bytes(b"")
+        return output
+
+    monkeypatch.setattr(grace.aot, "compile", fake_compile)
+    assert cli.main(["compile", str(mlp_pt2), "-o", str(tmp_path / "m.grace")]) == 0
+    assert seen.get("buckets") is None
+
+
+def _compiler_takes_buckets() -> bool:
+    import inspect
+
+    aot = pytest.importorskip("grace.aot")
+    return "buckets" in inspect.signature(aot.compile).parameters
+
+
+@pytest.fixture
+def dyn_mlp_pt2(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not _compiler_takes_buckets():
+        pytest.skip("this grace.aot has no shape buckets yet")
+    from grace.tools.models import MLP
+
+    path = tmp_path / "dyn.pt2"
+    batch = torch.export.Dim("batch", min=2, max=8)
+    ep = torch.export.export(MLP().eval(), (torch.randn(3, 64),), dynamic_shapes={"x": {0: batch}})
+    torch.export.save(ep, path)
+    return path
+
+
+def test_compile_buckets_end_to_end(dyn_mlp_pt2, tmp_path):
+    """With the real compiler: one graph per requested bucket, named by INPUT.DIM."""
+    from grace.formats import read_package
+
+    out = tmp_path / "dyn.grace"
+    r = grace("compile", dyn_mlp_pt2, "-o", out, "--buckets", "x.0=4,8")
+    assert r.returncode == 0, r.stderr
+    graphs = read_package(out).manifest["graphs"]
+    assert [g["bucket"] for g in graphs] == [{"x.0": 4}, {"x.0": 8}]
+
+
+def test_compile_unknown_bucket_name_one_line(dyn_mlp_pt2, tmp_path):
+    err = _one_line_error(grace("compile", dyn_mlp_pt2, "-o", tmp_path / "dyn.grace",
+                                "--buckets", "nope=4,8"))
+    assert "nope" in err
+    assert not (tmp_path / "dyn.grace").exists()

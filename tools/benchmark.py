@@ -2,21 +2,66 @@
 side in one process on one GPU, batch 1.
 
     python -m grace.tools.benchmark --models vit_s,gpt2_6l --out results.json
+    python -m grace.tools.benchmark --models bert_base_dyn --out bert-dyn.json
 
-Every contender is timed the same way: warm-up calls, then `iters` back-to-back calls between two
-CUDA events, repeated `repeats` times; the median of the repeats is reported in ms per call. grace
-is called through its runtime with a device-resident input (`sess.run(x)`), so its number includes
-the full host path of a call. The host overhead of `run()` alone is reported separately: the mean
-wall time of `run()` over a short burst of calls, which the GPU's launch queue absorbs.
+Static workloads (vit_s, gpt2_6l): every contender is timed the same way: warm-up calls, then
+`iters` back-to-back calls between two CUDA events, repeated `repeats` times; the median of the
+repeats is reported in ms per call. grace is called through its runtime with a device-resident
+input (`sess.run(x)`), so its number includes the full host path of a call. The host overhead of
+`run()` alone is reported separately: the mean wall time of `run()` over a short burst of calls,
+which the GPU's launch queue absorbs.
+
+Dynamic workload (bert_base_dyn: HF BERT-base, random init, fp32, batch 1, sequence 1..512): ONE
+grace package compiled with a dynamic sequence dimension (shape buckets; `--buckets seq=...`
+overrides the compiler's default) serves every length. Measured, per contender:
+  - a mixed stream of `--stream-calls` random lengths in [1, 512] (fixed `--seed`; inputs made on
+    the GPU before timing), timed twice with wall clock between two synchronizes: the first
+    (cold) pass includes whatever the contender builds on first sight of a length (torch.compile
+    recompiles, CUDA-graph recordings; grace's lazy graph instantiations); the second pass (warm)
+    repeats the same stream. torch.compile contenders also report what they built (see
+    `_TorchCounts`), grace the graphs it instantiated;
+  - fixed lengths (`--dyn-lengths`, default 100, 129, 300) timed like the static workloads. The
+    torch.compile figures come from the same compiled model after the stream, i.e. from the
+    dynamic-shape graph that torch's automatic dynamic shapes settled on (what a server that sees
+    varying lengths runs), not from a graph specialised to that one length;
+  - grace's host time of run() at length 129, its output's error against eager at each fixed
+    length, and its package: graph count, bucket, kernels and arena bytes per graph.
+torch.compile contenders are isolated from each other with torch._dynamo.reset(); a contender that
+fails is recorded under "errors" and the others still run. Cold passes include torch.compile's
+compile time, which inductor's on-disk caches shorten on a later run (and for reduce-overhead
+after the default mode); TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 gives cache-free cold figures.
+--out is rewritten after each workload and each dynamic contender, so a run cut short keeps
+what it measured.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
+
+# the dynamic workload: HF BERT-base, batch 1, sequence length 1..MAX_SEQ
+BERT_BASE = dict(layers=12, hidden=768, heads=12, vocab=30522, max_pos=512)
+MIN_SEQ, MAX_SEQ = 1, 512
+EXPORT_SEQ = 129        # example length for torch.export (any length in range but 0/1 works)
+HOST_SEQ = 129          # length at which grace's run() host time is measured
+HOST_BURST = 20         # run() calls per host-time burst: few enough for the GPU queue to absorb
+DYN_CONTENDERS = ("eager", "torch.compile", "reduce-overhead", "grace")
+
+
+def _log(msg: str) -> None:
+    """Progress on stderr: a dynamic run takes minutes and stdout ends with the table."""
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def _error(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:2000]
 
 
 def _models():
@@ -36,7 +81,16 @@ def _models():
     return {"vit_s": vit_s, "gpt2_6l": gpt2_6l}
 
 
+DYNAMIC_MODELS = ("bert_base_dyn",)
+
+
+# ------------------------------------------------------------------------------------------------
+# timing primitives
+# ------------------------------------------------------------------------------------------------
+
+
 def time_calls(fn, iters: int, repeats: int, warmup: int) -> list[float]:
+    """ms per call of `fn`, one sample per repeat: `iters` calls between two CUDA events."""
     import torch
     for _ in range(warmup):
         fn()
@@ -51,6 +105,55 @@ def time_calls(fn, iters: int, repeats: int, warmup: int) -> list[float]:
         end.synchronize()
         samples.append(start.elapsed_time(end) / iters)
     return samples
+
+
+def host_us(fn, sync, burst: int = HOST_BURST) -> float:
+    """Mean host (wall) µs of `fn` over a short burst after a sync: the GPU queue absorbs the
+    launches, so this is the caller's cost of a call, not the GPU time."""
+    sync()
+    t = time.perf_counter()
+    for _ in range(burst):
+        fn()
+    dt = (time.perf_counter() - t) / burst * 1e6
+    sync()
+    return dt
+
+
+def time_stream(fn, inputs) -> float:
+    """Seconds of wall clock for one pass of `fn` over `inputs`, synchronized on both ends.
+
+    Lengths differ call to call, so per-call CUDA events would add nothing: the total over the
+    stream divided by its length is the figure reported.
+    """
+    import torch
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for x in inputs:
+        fn(x)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def mixed_lengths(n: int, lo: int = MIN_SEQ, hi: int = MAX_SEQ, seed: int = 0) -> list[int]:
+    """`n` sequence lengths drawn uniformly from [lo, hi] with a fixed seed: the same stream for
+    every contender and every run (Python's own RNG, so no torch/numpy version changes it)."""
+    if not 1 <= lo <= hi:
+        raise ValueError(f"need 1 <= lo <= hi, got lo={lo}, hi={hi}")
+    if n < 1:
+        raise ValueError(f"need at least one call in the stream, got {n}")
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def rel_err(got, ref) -> float:
+    """‖got − ref‖ / ‖ref‖ in float32."""
+    got, ref = got.float(), ref.float()
+    return float((got - ref).norm() / ref.norm())
+
+
+# ------------------------------------------------------------------------------------------------
+# static workloads
+# ------------------------------------------------------------------------------------------------
 
 
 def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("tf32x3",)) -> dict:
@@ -102,59 +205,449 @@ def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup):
     notes[f"{key}_load_s"] = time.perf_counter() - t
     notes["grace_kernels"] = pkg.manifest["graphs"][0]["stats"]["kernels"]
     result["ms"][key] = statistics.median(time_calls(lambda: sess.run(x), iters, repeats, warmup))
-    # host cost of run(): a short burst, so the GPU queue absorbs it
-    sess.sync()
-    burst = 20
-    t = time.perf_counter()
-    for _ in range(burst):
-        sess.run(x)
-    notes[f"{key}_run_host_us"] = (time.perf_counter() - t) / burst * 1e6
-    sess.sync()
+    notes[f"{key}_run_host_us"] = host_us(lambda: sess.run(x), sess.sync)
     with torch.no_grad():
         ref = model(x).float()
     got = torch.from_numpy(next(iter(sess.run(x).values())).numpy()).cuda()
-    notes[f"{key}_rel_err_vs_eager_tf32"] = float((got - ref).norm() / ref.norm())
+    notes[f"{key}_rel_err_vs_eager_tf32"] = rel_err(got, ref)
     pkg.close()
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def format_static_table(results: list[dict]) -> str:
+    """The static workloads' summary: ms per call per contender, grace ÷ reduce-overhead, kernels,
+    host µs of run() and grace's error against eager."""
+    extra = list(dict.fromkeys(k for r in results for k in r["ms"] if k.startswith("grace[")))
+    lines = [f"{'model':10s} {'eager':>8s} {'compile':>8s} {'red-ovh':>8s} {'grace':>8s} "
+             + "".join(f"{k:>14s}" for k in extra)
+             + f" {'g/ro':>6s} {'kernels':>7s} {'host us':>8s} {'rel err':>8s}"]
+    for r in results:
+        ms, notes = r["ms"], r["notes"]
+        lines.append(
+            f"{r['model']:10s} {ms['eager']:8.3f} {ms['torch.compile']:8.3f} "
+            f"{ms['reduce-overhead']:8.3f} {ms['grace']:8.3f} "
+            + "".join(f"{ms.get(k, float('nan')):14.3f}" for k in extra)
+            + f" {r['ratio_grace_over_reduce_overhead']:6.2f} {notes['grace_kernels']:7d} "
+            f"{notes['grace_run_host_us']:8.1f} {notes['grace_rel_err_vs_eager_tf32']:8.1e}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# dynamic workload: one package, every sequence length
+# ------------------------------------------------------------------------------------------------
+
+
+class _TorchCounts:
+    """What torch.compile built during a block: dynamo graphs and CUDA-graph recordings.
+
+    - `dynamo_graphs`: delta of torch._dynamo.utils.counters["stats"]["unique_graphs"], the FX
+      graphs dynamo captured and handed to inductor. The first compile is 1; every recompile
+      (a new length breaking a guard, the switch to a dynamic-shape graph, the 0/1
+      specialisation of length 1) adds 1 (graph breaks would add more per compile).
+    - `frames_compiled`: delta of counters["frames"]["ok"] (frames dynamo converted).
+    - `cudagraph_warmups` / `cudagraph_recordings`: calls of inductor's CUDAGraphTreeManager
+      `run_eager` on a function not yet warmed up, and `record_function`. reduce-overhead keeps
+      one CUDA graph per distinct set of symbolic-int values (here: per sequence length): a new
+      length first runs one warm-up, and its graph is recorded on its next call. These two
+      methods are private inductor API, patched for the duration of the block; when they are
+      missing (another torch version) the counts are None.
+    - `inductor`: the delta of every counters["inductor"] entry, raw, for anything else.
+    """
+
+    def __init__(self):
+        self.result: dict = {}
+        self._patched: list = []
+        self._warmups = self._recordings = 0
+
+    def __enter__(self):
+        from torch._dynamo.utils import counters
+        self._before = {k: dict(v) for k, v in counters.items()}
+        self._patch_cudagraph_trees()
+        return self
+
+    def _patch_cudagraph_trees(self) -> None:
+        try:
+            from torch._inductor.cudagraph_trees import CUDAGraphTreeManager as M
+            record, run_eager = M.record_function, M.run_eager
+        except (ImportError, AttributeError):
+            return
+        counts = self
+
+        def record_function(mgr, *args, **kwargs):
+            counts._recordings += 1
+            return record(mgr, *args, **kwargs)
+
+        def run_eager_(mgr, *args, **kwargs):
+            function_id = args[1] if len(args) > 1 else kwargs.get("function_id")
+            if function_id not in getattr(mgr, "warmed_up_functions", ()):
+                counts._warmups += 1
+            return run_eager(mgr, *args, **kwargs)
+
+        self._patched = [(M, "record_function", record), (M, "run_eager", run_eager)]
+        M.record_function, M.run_eager = record_function, run_eager_
+
+    def __exit__(self, *exc):
+        from torch._dynamo.utils import counters
+        for cls, attr, orig in self._patched:
+            setattr(cls, attr, orig)
+
+        def delta(group, key):
+            return counters[group].get(key, 0) - self._before.get(group, {}).get(key, 0)
+
+        patched = bool(self._patched)
+        self.result = {
+            "dynamo_graphs": delta("stats", "unique_graphs"),
+            "frames_compiled": delta("frames", "ok"),
+            "cudagraph_warmups": self._warmups if patched else None,
+            "cudagraph_recordings": self._recordings if patched else None,
+            "inductor": {k: delta("inductor", k) for k in counters["inductor"]
+                         if delta("inductor", k)},
+        }
+        return False
+
+
+def _grace_graphs(manifest: dict) -> list[dict]:
+    """Per graph of a package: name, bucket, kernel count and arena bytes (manifest 2.0 keys;
+    missing ones read as None so a 1.x package still reports its one graph)."""
+    return [{"name": g.get("name"), "bucket": g.get("bucket", {}),
+             "kernels": (g.get("stats") or {}).get("kernels"), "arena": g.get("arena")}
+            for g in manifest.get("graphs", [])]
+
+
+def _make_ids(lengths, vocab: int, seed: int):
+    """One [1, L] int64 token tensor per length, made on the GPU up front (never inside timing)."""
+    import torch
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randint(0, vocab, (1, n), device="cuda", generator=gen) for n in lengths]
+
+
+class _Inputs(NamedTuple):
+    """Token ids made on the GPU before any timing: per fixed length, the mixed stream, and the
+    input of the host-overhead measurement."""
+    fixed: dict   # length -> [1, length] ids
+    stream: list  # [1, L] ids, L from mixed_lengths()
+    host: object  # [1, HOST_SEQ] ids
+
+
+def _make_inputs(cfg) -> _Inputs:
+    vocab = BERT_BASE["vocab"]
+    lengths = mixed_lengths(cfg.stream_calls, MIN_SEQ, MAX_SEQ, cfg.seed)
+    return _Inputs(dict(zip(cfg.lengths, _make_ids(cfg.lengths, vocab, cfg.seed))),
+                   _make_ids(lengths, vocab, cfg.seed + 1),
+                   _make_ids([HOST_SEQ], vocab, cfg.seed + 2)[0])
+
+
+def _stream_passes(fn, stream, counts=None) -> dict:
+    """A cold then a warm pass over the same stream: totals in s, per call in ms; with `counts`
+    (_TorchCounts) also what torch.compile built during each pass (built_cold, built_warm)."""
+    out = {"calls": len(stream)}
+    for phase in ("cold", "warm"):
+        with counts() if counts else contextlib.nullcontext() as c:
+            out[f"{phase}_s"] = time_stream(fn, stream)
+        out[f"{phase}_ms_per_call"] = out[f"{phase}_s"] / len(stream) * 1e3
+        if counts:
+            out[f"built_{phase}"] = c.result
+    return out
+
+
+def _time_lengths(res, contender, fn, fixed, cfg) -> None:
+    """ms per call of `fn(ids)` at each fixed length, into res["ms"][length][contender]."""
+    for n, ids in fixed.items():
+        samples = time_calls(lambda: fn(ids), cfg.iters, cfg.repeats, cfg.warmup)
+        res["ms"][str(n)][contender] = statistics.median(samples)
+
+
+def _compile_grace_dyn(model, cfg, path: Path) -> dict:
+    """Compile the one dynamic-shape package (on the CPU, like `grace compile`)."""
+    import torch
+
+    from grace.aot import compile as grace_compile
+
+    seq = torch.export.Dim("seq", min=MIN_SEQ, max=MAX_SEQ)
+    extra = {"buckets": cfg.buckets} if cfg.buckets else {}
+    example = torch.randint(0, BERT_BASE["vocab"], (1, EXPORT_SEQ))
+    t = time.perf_counter()
+    grace_compile(model, (example,), output=path, progress=False, fp32_matmul=cfg.precision,
+                  dynamic_shapes={"input_ids": {1: seq}}, **extra)
+    return {"compile_s": time.perf_counter() - t, "package_bytes": path.stat().st_size}
+
+
+def _run_eager(res, model, inputs: _Inputs, cfg) -> None:
+    res["stream"]["eager"] = _stream_passes(model, inputs.stream)
+    _time_lengths(res, "eager", model, inputs.fixed, cfg)
+
+
+def _run_torch_compile(res, key, model, inputs: _Inputs, cfg) -> None:
+    """One torch.compile contender, from a clean dynamo state: the stream first (so its cold pass
+    sees every compile and recording), then the fixed lengths on the same compiled model."""
+    import torch
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode=None if key == "torch.compile" else key)
+    res["stream"][key] = _stream_passes(compiled, inputs.stream, _TorchCounts)
+    with _TorchCounts() as fixed_counts:
+        _time_lengths(res, key, compiled, inputs.fixed, cfg)
+    res["stream"][key]["built_fixed_lengths"] = fixed_counts.result
+
+
+def _run_grace(res, path: Path, model, inputs: _Inputs, cfg) -> None:
+    """Load the package, time the stream (cold pass = lazy instantiations), the fixed lengths,
+    the host cost of run() at HOST_SEQ, and the error against eager at each fixed length."""
+    import torch
+
+    from grace.runtime import load
+
+    t = time.perf_counter()
+    pkg = load(path)
+    sess = pkg.session()
+    res["grace"]["load_s"] = time.perf_counter() - t
+    try:
+        fn = lambda ids: sess.run(ids)  # noqa: E731
+        res["stream"]["grace"] = _stream_passes(fn, inputs.stream)
+        res["stream"]["grace"]["instantiations"] = dict(getattr(sess, "instantiations", {}) or {})
+        _time_lengths(res, "grace", fn, inputs.fixed, cfg)
+        res["grace"][f"run_host_us_{HOST_SEQ}"] = host_us(lambda: sess.run(inputs.host), sess.sync)
+        res["grace"]["rel_err_vs_eager_tf32"] = {}
+        for n, ids in inputs.fixed.items():
+            got = torch.from_numpy(next(iter(sess.run(ids).values())).numpy()).cuda()
+            res["grace"]["rel_err_vs_eager_tf32"][str(n)] = rel_err(got, model(ids))
+        res["grace"]["instantiations"] = dict(getattr(sess, "instantiations", {}) or {})
+        res["grace"]["last_graph"] = getattr(sess, "last_graph", None)
+    finally:
+        sess.close()
+        pkg.close()
+
+
+def _guarded(res, contender: str, fn, *args) -> None:
+    """Run one contender; a failure is recorded under res["errors"] and the benchmark goes on."""
+    import torch
+
+    _log(f"{res['model']}: {contender}")
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - one contender's failure must not lose the others
+        res["errors"][contender] = _error(e)
+        _log(f"{res['model']}: {contender} failed: {res['errors'][contender][:300]}")
+    finally:
+        torch._dynamo.reset()
+
+
+def bench_dynamic(name: str, cfg, workdir: Path, checkpoint=lambda res: None) -> dict:
+    """The dynamic-shape workload (module docstring): one grace package for lengths 1..512.
+
+    `checkpoint(res)` is called after each contender, so a run cut short (a time limit) still
+    leaves the figures measured so far.
+    """
+    import torch
+
+    from grace.formats import read_package
+    from grace.tools import models
+
+    torch.manual_seed(0)
+    model = models.hf_bert(**BERT_BASE).eval()
+    lengths = mixed_lengths(cfg.stream_calls, MIN_SEQ, MAX_SEQ, cfg.seed)
+    res = {"model": name, "kind": "dynamic", "errors": {},
+           "config": {"model": dict(BERT_BASE), "batch": 1, "dtype": "float32",
+                      "range": [MIN_SEQ, MAX_SEQ], "fixed_lengths": list(cfg.lengths),
+                      "stream_calls": cfg.stream_calls, "seed": cfg.seed,
+                      "stream_distinct_lengths": len(set(lengths)), "stream_lengths": lengths,
+                      "buckets": cfg.buckets or "compiler default", "fp32_matmul": cfg.precision},
+           "ms": {str(n): {} for n in cfg.lengths}, "stream": {}, "grace": {}}
+
+    _log(f"{name}: grace compile")
+    path = workdir / f"{name}.grace"
+    try:
+        res["grace"].update(_compile_grace_dyn(model, cfg, path))
+        res["grace"]["graphs"] = _grace_graphs(read_package(path).manifest)
+        res["grace"]["graph_count"] = len(res["grace"]["graphs"])
+    except Exception as e:  # noqa: BLE001 - still time the torch contenders
+        res["errors"]["grace"] = _error(e)
+        _log(f"{name}: grace compile failed: {res['errors']['grace'][:300]}")
+    checkpoint(res)
+
+    model = model.cuda()
+    inputs = _make_inputs(cfg)
+    with torch.no_grad():
+        _guarded(res, "eager", _run_eager, res, model, inputs, cfg)
+        checkpoint(res)
+        if "grace" not in res["errors"]:
+            _guarded(res, "grace", _run_grace, res, path, model, inputs, cfg)
+            checkpoint(res)
+        for key in ("torch.compile", "reduce-overhead"):
+            _guarded(res, key, _run_torch_compile, res, key, model, inputs, cfg)
+            checkpoint(res)
+    return res
+
+
+def _fmt(x, spec: str = "8.3f") -> str:
+    """`x` formatted with `spec`, or '-' at the same width when the figure is missing."""
+    if isinstance(x, (int, float)):
+        return format(x, spec)
+    width = spec.split(".")[0]
+    return "-".rjust(int(width) if width.isdigit() else 0)
+
+
+def format_dynamic_table(res: dict) -> str:
+    """The dynamic workload's summary: ms per call per length and for the mixed stream (cold and
+    warm), what each contender built, and grace's package. Missing figures print as '-'."""
+    head = f"{'':16s}" + "".join(f"{c:>16s}" for c in DYN_CONTENDERS)
+    lines = [f"{res['model']}: ms per call (batch 1, fp32)", head]
+    for n, row in res["ms"].items():
+        lines.append(f"{'seq ' + n:16s}" + "".join(f"{_fmt(row.get(c), '16.3f')}"
+                                                   for c in DYN_CONTENDERS))
+    stream = res["stream"]
+    calls = res["config"]["stream_calls"]
+    for phase in ("cold", "warm"):
+        lines.append(f"{f'stream {phase}':16s}" + "".join(
+            f"{_fmt(stream.get(c, {}).get(f'{phase}_ms_per_call'), '16.3f')}" for c in DYN_CONTENDERS))
+    lines.append(f"(stream: {calls} calls, {res['config']['stream_distinct_lengths']} distinct "
+                 f"lengths in [{res['config']['range'][0]}, {res['config']['range'][1]}])")
+    for key in ("torch.compile", "reduce-overhead"):
+        cold = stream.get(key, {}).get("built_cold")
+        if cold:
+            warm = stream[key]["built_warm"]
+            lines.append(f"{key}: built by the cold pass: {_fmt(cold['dynamo_graphs'], 'd')} dynamo "
+                         f"graphs, {_fmt(cold['cudagraph_recordings'], 'd')} CUDA-graph recordings; "
+                         f"by the warm pass: {_fmt(warm['dynamo_graphs'], 'd')} / "
+                         f"{_fmt(warm['cudagraph_recordings'], 'd')}")
+    lines.extend(_grace_lines(res))
+    lines.extend(f"error {c}: {msg[:200]}" for c, msg in res["errors"].items())
+    return "\n".join(lines)
+
+
+def _grace_lines(res: dict) -> list[str]:
+    g = res["grace"]
+    if not g.get("graphs"):
+        return []
+    inst = res["stream"].get("grace", {}).get("instantiations")
+    per = ", ".join(f"{_bucket_label(x['bucket'])}:{x['kernels']}k/{_mib(x['arena'])}"
+                    for x in g["graphs"])
+    host = g.get(f"run_host_us_{HOST_SEQ}")
+    errs = g.get("rel_err_vs_eager_tf32") or {}
+    return [f"grace: {g['graph_count']} graphs, {len(inst) if inst is not None else '-'} "
+            f"instantiated by the stream, run() host {_fmt(host, '.1f')} us at seq {HOST_SEQ}, "
+            f"compile {_fmt(g.get('compile_s'), '.1f')} s, rel err "
+            + (", ".join(f"{n}:{e:.1e}" for n, e in errs.items()) or "-"),
+            f"grace graphs (bucket:kernels/arena): {per}"]
+
+
+def _bucket_label(bucket) -> str:
+    return ",".join(f"{k}={v}" for k, v in (bucket or {}).items()) or "static"
+
+
+def _mib(nbytes) -> str:
+    return f"{nbytes / 2**20:.1f}MiB" if isinstance(nbytes, (int, float)) else "-"
+
+
+# ------------------------------------------------------------------------------------------------
+# command line
+# ------------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(not MIN_SEQ <= v <= MAX_SEQ for v in values):
+        raise argparse.ArgumentTypeError(f"lengths must lie in [{MIN_SEQ}, {MAX_SEQ}], got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m grace.tools.benchmark",
+                                 description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="vit_s,gpt2_6l")
-    ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--models", default="vit_s,gpt2_6l",
+                    help="comma-separated workloads: vit_s, gpt2_6l (static), bert_base_dyn "
+                         "(dynamic sequence length); default vit_s,gpt2_6l")
+    ap.add_argument("--iters", type=int, default=100, help="calls per timed sample (default 100)")
+    ap.add_argument("--repeats", type=int, default=5, help="samples; the median is reported (default 5)")
+    ap.add_argument("--warmup", type=int, default=20, help="untimed calls first (default 20)")
     ap.add_argument("--out", type=Path, default=None, help="write the raw results as JSON")
     ap.add_argument("--fp32-matmul", default="tf32x3",
-                    help="comma-separated grace precisions to time (the first is 'grace')")
+                    help="comma-separated grace precisions to time (the first is 'grace'; the "
+                         "dynamic workload uses the first only)")
+    dyn = ap.add_argument_group("dynamic workload (bert_base_dyn)")
+    dyn.add_argument("--buckets", action="append", default=[], metavar="seq=B1,B2,...",
+                     help="grace's bucket bounds for the sequence symbol 'seq' (as `grace compile "
+                          "--buckets`); default: the compiler's (16,32,...,256,512)")
+    dyn.add_argument("--dyn-lengths", type=_int_list, default=(100, 129, 300), metavar="L1,L2,...",
+                     help="fixed sequence lengths timed like the static workloads (default 100,129,300)")
+    dyn.add_argument("--stream-calls", type=int, default=200,
+                     help="calls in the mixed-length stream (default 200)")
+    dyn.add_argument("--seed", type=int, default=0, help="seed of the stream's lengths and tokens")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check the arguments; adds `static`, `dynamic` (workload names), `buckets`
+    ({symbol: [bounds]}) and `precision` (the dynamic workload's fp32 matmul precision)."""
+    from grace.tools.cli import CliError, parse_buckets
+
+    ap = build_parser()
     args = ap.parse_args(argv)
+    names = [n.strip() for n in args.models.split(",") if n.strip()]
+    known = ("vit_s", "gpt2_6l") + DYNAMIC_MODELS
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        ap.error(f"--models: unknown workload {', '.join(unknown) or '(none given)'}; "
+                 f"choose from {', '.join(known)}")
+    args.static = [n for n in names if n not in DYNAMIC_MODELS]
+    args.dynamic = [n for n in names if n in DYNAMIC_MODELS]
+    try:
+        args.buckets = parse_buckets(args.buckets)
+    except CliError as e:
+        ap.error(str(e))
+    if args.stream_calls < 1:
+        ap.error("--stream-calls must be >= 1")
+    args.lengths = args.dyn_lengths
+    args.precision = args.fp32_matmul.split(",")[0]
+    return args
+
+
+def _env() -> dict:
+    import torch
+    env = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "tf32": True}
+    for mod in ("triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - versions are informative only
+            pass
+    return env
+
+
+def main(argv=None):
+    args = parse_args(argv)
     import torch
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     available = _models()
-    results = []
+    env = _env()
+    results, dynamic = [], []
+
+    def save(partial=None):
+        """Write --out now: after every workload, and within the dynamic one after each contender."""
+        if args.out:
+            done = results + dynamic + ([partial] if partial is not None else [])
+            args.out.write_text(json.dumps({"env": env, "results": done}, indent=2))
+
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.models.split(","):
+        for name in args.static:
+            _log(name)
             results.append(bench_model(name, available[name], args.iters, args.repeats,
                                        args.warmup, Path(tmp),
                                        tuple(args.fp32_matmul.split(","))))
-    env = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "tf32": True}
-    if args.out:
-        args.out.write_text(json.dumps({"env": env, "results": results}, indent=2))
+            save()
+        for name in args.dynamic:
+            dynamic.append(bench_dynamic(name, args, Path(tmp), checkpoint=save))
+            save()
     print(f"\n{env}")
-    extra = [k for r in results for k in r["ms"] if k.startswith("grace[")]
-    extra = list(dict.fromkeys(extra))
-    print(f"{'model':10s} {'eager':>8s} {'compile':>8s} {'red-ovh':>8s} {'grace':>8s} "
-          + "".join(f"{k:>14s}" for k in extra)
-          + f" {'g/ro':>6s} {'kernels':>7s} {'host us':>8s} {'rel err':>8s}")
-    for r in results:
-        ms, notes = r["ms"], r["notes"]
-        print(f"{r['model']:10s} {ms['eager']:8.3f} {ms['torch.compile']:8.3f} "
-              f"{ms['reduce-overhead']:8.3f} {ms['grace']:8.3f} "
-              + "".join(f"{ms.get(k, float('nan')):14.3f}" for k in extra)
-              + f" {r['ratio_grace_over_reduce_overhead']:6.2f} {notes['grace_kernels']:7d} "
-              f"{notes['grace_run_host_us']:8.1f} {notes['grace_rel_err_vs_eager_tf32']:8.1e}")
+    if results:
+        print(format_static_table(results))
+    for res in dynamic:
+        print()
+        print(format_dynamic_table(res))
 
 
 if __name__ == "__main__":

@@ -114,6 +114,49 @@ def _summarize(outputs: dict, console) -> None:
     console.print(t)
 
 
+_BUCKETS_FORM = "expected NAME=B1,B2,... (e.g. --buckets input_ids.1=16,32,64,128,512)"
+
+
+def parse_buckets(specs: list[str] | None) -> dict[str, list[int]]:
+    """`--buckets NAME=16,32,64` (repeated) -> {NAME: [16, 32, 64]}.
+
+    Checked here, before torch is imported, so a typo costs no export load; whether NAME is a
+    symbol of the program and the bounds lie in its range is the compiler's check (it knows the
+    symbols) and comes back as a one-line error too.
+    """
+    buckets: dict[str, list[int]] = {}
+    for spec in specs or []:
+        name, sep, values = spec.partition("=")
+        name = name.strip()
+        if not sep:
+            raise CliError(f"--buckets {spec!r}: {_BUCKETS_FORM}")
+        if not name:
+            raise CliError(f"--buckets {spec!r}: the dimension name before '=' is empty; {_BUCKETS_FORM}")
+        if name in buckets:
+            raise CliError(f"--buckets {name!r} given twice; give all of a dimension's sizes in one flag")
+        buckets[name] = _bucket_sizes(name, values)
+    return buckets
+
+
+def _bucket_sizes(name: str, values: str) -> list[int]:
+    """'16,32,64' -> [16, 32, 64]: positive integers, strictly increasing (bucket upper bounds)."""
+    items = [v.strip() for v in values.split(",")]
+    if not any(items):
+        raise CliError(f"--buckets {name}: no sizes after '='; {_BUCKETS_FORM}")
+    sizes: list[int] = []
+    for item in items:
+        if not re.fullmatch(r"[+-]?\d+", item):
+            raise CliError(f"--buckets {name}: {item!r} is not an integer; {_BUCKETS_FORM}")
+        size = int(item)
+        if size <= 0:
+            raise CliError(f"--buckets {name}: bucket sizes must be positive, got {size}")
+        if sizes and size <= sizes[-1]:
+            raise CliError(f"--buckets {name}: bucket sizes must be strictly increasing, "
+                           f"got {size} after {sizes[-1]}")
+        sizes.append(size)
+    return sizes
+
+
 def _no_device(e: Exception) -> CliError:
     msg = _one_line(e)
     return CliError(msg if "--interpret" in msg else f"{msg}; {INTERPRET_HINT}", EXIT_NO_DEVICE)
@@ -165,6 +208,7 @@ def cmd_compile(args) -> int:
     bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}[a-z]?", a)]
     if bad:
         raise CliError(f"--arch {bad[0]!r}: expected names like sm_80, sm_90, sm_100")
+    buckets = parse_buckets(args.buckets)
     try:
         import torch
     except ImportError as e:
@@ -216,10 +260,12 @@ def cmd_compile(args) -> int:
         raise CliError(f"the compiler is unavailable: {_one_line(e)}") from e
     output = Path(args.output)
     name = args.name or Path(src).stem
+    # only passed when given: without it the compiler picks its default buckets
+    extra = {"buckets": buckets} if buckets else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
         path = aot.compile(ep, output=output, archs=tuple(dict.fromkeys(archs)), name=name, progress=True,
-                            fp32_matmul=args.fp32_matmul)
+                            fp32_matmul=args.fp32_matmul, **extra)
     path = Path(path) if path is not None else output
     if not path.exists():
         raise CliError(f"the compiler reported success but wrote no {path}")
@@ -357,6 +403,7 @@ def cmd_bench(args) -> int:
 _EPILOG = """\
 examples:
   grace compile model.pt2 -o model.grace --arch sm_90,sm_80
+  grace compile model.pt2 -o model.grace --buckets input_ids.1=64,128,256,512
   grace inspect model.grace
   grace inspect model.grace --json > model.json
   grace run model.grace --input x=x.npy --output out.npz
@@ -394,11 +441,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile a torch.export program (.pt2) into a .grace package",
         description="Compile a program saved with torch.export.save into a .grace package: Triton kernels "
         "compiled to cubins for each --arch (no GPU needed), weights, memory plan and argument table. "
+        "A program exported with dynamic_shapes gets one CUDA graph per shape bucket (per combination "
+        "of buckets when several dimensions are dynamic); at run time the smallest bucket that holds "
+        "the inputs' sizes serves the call, with exact-size results. "
         "Needs the [aot] extra (torch, triton).",
         epilog="examples:\n"
         "  python -c \"import torch; torch.export.save(torch.export.export(model, (x,)), 'model.pt2')\"\n"
         "  grace compile model.pt2 -o model.grace\n"
-        "  grace compile model.pt2 -o model.grace --arch sm_90,sm_80 --name my-model\n",
+        "  grace compile model.pt2 -o model.grace --arch sm_90,sm_80 --name my-model\n"
+        "\n"
+        "  # a dynamic sequence length, exported with\n"
+        "  #   dynamic_shapes={'input_ids': {1: torch.export.Dim('seq', min=1, max=512)}}\n"
+        "  grace compile bert.pt2 -o bert.grace        # default buckets: 16,32,64,128,256,512\n"
+        "  grace compile bert.pt2 -o bert.grace --buckets input_ids.1=64,128,256,512\n",
         formatter_class=_Formatter,
     )
     c.add_argument("exported", metavar="EXPORTED.pt2", help="file written by torch.export.save")
@@ -409,6 +464,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fp32-matmul", choices=("tf32x3", "tf32", "ieee"), default="tf32x3",
                    help="precision of fp32 GEMMs and attention: tf32x3 is near-fp32 accuracy "
                         "(default), tf32 is fastest (~1e-3 relative error), ieee is exact fp32")
+    c.add_argument("--buckets", action="append", default=[], metavar="NAME=B1,B2,...",
+                   help="upper bounds of the shape buckets of one dynamic dimension: positive, strictly "
+                        "increasing; repeat the flag per dimension. NAME is INPUT.DIM, the input's name "
+                        "and the dimension's index (e.g. input_ids.1=64,128,256,512); the largest must be "
+                        "at least the exported maximum. Default: powers of two from 16 (smaller sizes "
+                        "share the first bucket) covering the dimension's exported range, the last bucket "
+                        "being the range's maximum. Fewer buckets make a smaller package and fewer graphs; "
+                        "more buckets pad less (a call runs at its bucket's size, masked to the true size)")
     c.set_defaults(func=cmd_compile)
 
     i = sub.add_parser(

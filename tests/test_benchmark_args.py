@@ -1,0 +1,177 @@
+"""tools/benchmark.py without a GPU: argument parsing, the mixed-length stream, the package summary,
+the summary tables and the torch.compile build counters (on the CPU, backend="eager")."""
+
+import pytest
+
+from grace.tools import benchmark as B
+
+# ---- the mixed-length stream -------------------------------------------------------------------
+
+
+def test_mixed_lengths_is_fixed_by_the_seed():
+    a = B.mixed_lengths(200, 1, 512, seed=0)
+    assert a == B.mixed_lengths(200, 1, 512, seed=0)
+    assert a != B.mixed_lengths(200, 1, 512, seed=1)
+    assert len(a) == 200 and all(isinstance(n, int) and 1 <= n <= 512 for n in a)
+    # a spread of lengths over the whole range, not a handful of values
+    assert len(set(a)) > 100 and min(a) < 64 and max(a) > 448
+
+
+def test_mixed_lengths_bounds_are_inclusive():
+    assert set(B.mixed_lengths(500, 3, 4, seed=0)) == {3, 4}
+    assert B.mixed_lengths(5, 7, 7) == [7] * 5
+
+
+@pytest.mark.parametrize("n, lo, hi", [(0, 1, 512), (10, 0, 512), (10, 9, 8)])
+def test_mixed_lengths_rejects_bad_ranges(n, lo, hi):
+    with pytest.raises(ValueError):
+        B.mixed_lengths(n, lo, hi)
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+
+
+def test_default_models_are_the_static_ones():
+    args = B.parse_args([])
+    assert args.static == ["vit_s", "gpt2_6l"] and args.dynamic == []
+    assert args.buckets == {} and args.lengths == (100, 129, 300) and args.stream_calls == 200
+    assert args.precision == "tf32x3"
+
+
+def test_dynamic_workload_and_its_options():
+    args = B.parse_args(["--models", "vit_s,bert_base_dyn", "--buckets", "seq=64,128,512",
+                         "--dyn-lengths", "1,512", "--stream-calls", "50", "--seed", "3",
+                         "--fp32-matmul", "tf32,tf32x3"])
+    assert args.static == ["vit_s"] and args.dynamic == ["bert_base_dyn"]
+    assert args.buckets == {"seq": [64, 128, 512]}
+    assert args.lengths == (1, 512) and args.stream_calls == 50 and args.seed == 3
+    assert args.precision == "tf32"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--models", "bert_large"], ["unknown workload bert_large", "bert_base_dyn"]),
+    (["--models", ","], ["--models"]),
+    (["--buckets", "seq=32,16"], ["strictly increasing"]),
+    (["--buckets", "seq=0"], ["positive"]),
+    (["--dyn-lengths", "0,100"], ["[1, 512]"]),
+    (["--dyn-lengths", "100,abc"], ["integers"]),
+    (["--dyn-lengths", "513"], ["[1, 512]"]),
+    (["--stream-calls", "0"], ["--stream-calls"]),
+])
+def test_bad_arguments_are_usage_errors(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        B.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for w in words:
+        assert w in err, (w, err)
+
+
+# ---- package summary and tables ----------------------------------------------------------------
+
+
+def test_grace_graphs_reads_manifest_2_and_1():
+    manifest = {"graphs": [
+        {"name": "seq=64", "bucket": {"seq": 64}, "stats": {"kernels": 90}, "arena": 1 << 20,
+         "nodes": []},
+        {"name": "seq=512", "bucket": {"seq": 512}, "stats": {"kernels": 92}, "arena": 8 << 20},
+    ]}
+    assert B._grace_graphs(manifest) == [
+        {"name": "seq=64", "bucket": {"seq": 64}, "kernels": 90, "arena": 1 << 20},
+        {"name": "seq=512", "bucket": {"seq": 512}, "kernels": 92, "arena": 8 << 20},
+    ]
+    # a 1.x package: one graph, no bucket, no per-graph arena
+    assert B._grace_graphs({"graphs": [{"name": "main", "stats": {"kernels": 3}}]}) == [
+        {"name": "main", "bucket": {}, "kernels": 3, "arena": None}]
+
+
+def _dynamic_result():
+    counts = {"dynamo_graphs": 3, "frames_compiled": 3, "cudagraph_warmups": 160,
+              "cudagraph_recordings": 35, "inductor": {}}
+    warm = dict(counts, dynamo_graphs=0, cudagraph_warmups=0, cudagraph_recordings=125)
+    return {
+        "model": "bert_base_dyn", "kind": "dynamic",
+        "config": {"stream_calls": 200, "stream_distinct_lengths": 165, "range": [1, 512]},
+        "ms": {"100": {"eager": 4.5, "torch.compile": 2.25, "reduce-overhead": 1.5, "grace": 1.75},
+               "129": {"eager": 4.75, "grace": 1.875},
+               "300": {}},
+        "stream": {
+            "eager": {"cold_ms_per_call": 6.0, "warm_ms_per_call": 5.0},
+            "reduce-overhead": {"cold_ms_per_call": 300.0, "warm_ms_per_call": 40.0,
+                                "built_cold": counts, "built_warm": warm},
+            "grace": {"cold_ms_per_call": 2.5, "warm_ms_per_call": 2.0,
+                      "instantiations": {"seq=128": 1, "seq=512": 1}},
+        },
+        "grace": {"graph_count": 2, "compile_s": 12.5, "run_host_us_129": 17.25,
+                  "rel_err_vs_eager_tf32": {"100": 7.5e-4},
+                  "graphs": [{"name": "seq=128", "bucket": {"seq": 128}, "kernels": 90,
+                              "arena": 3 << 20},
+                             {"name": "seq=512", "bucket": {"seq": 512}, "kernels": 92,
+                              "arena": None}]},
+        "errors": {"torch.compile": "RuntimeError: boom"},
+    }
+
+
+def test_dynamic_table_shows_every_figure_and_dashes_for_missing_ones():
+    text = B.format_dynamic_table(_dynamic_result())
+    lines = text.splitlines()
+    row = {ln.split()[0] + ln.split()[1]: ln.split()[2:] for ln in lines
+           if ln.startswith(("seq ", "stream "))}
+    assert row["seq100"] == ["4.500", "2.250", "1.500", "1.750"]
+    assert row["seq129"] == ["4.750", "-", "-", "1.875"]
+    assert row["seq300"] == ["-", "-", "-", "-"]
+    assert row["streamcold"] == ["6.000", "-", "300.000", "2.500"]
+    assert row["streamwarm"] == ["5.000", "-", "40.000", "2.000"]
+    assert "200 calls, 165 distinct lengths in [1, 512]" in text
+    assert ("reduce-overhead: built by the cold pass: 3 dynamo graphs, 35 CUDA-graph recordings; "
+            "by the warm pass: 0 / 125") in text
+    assert "grace: 2 graphs, 2 instantiated by the stream, run() host 17.2 us at seq 129" in text
+    assert "100:7.5e-04" in text
+    assert "seq=128:90k/3.0MiB, seq=512:92k/-" in text
+    assert lines[-1] == "error torch.compile: RuntimeError: boom"
+
+
+def test_dynamic_table_when_grace_failed():
+    res = _dynamic_result()
+    res["grace"], res["errors"] = {}, {"grace": "LoweringError: no"}
+    del res["stream"]["grace"]
+    text = B.format_dynamic_table(res)
+    assert "grace graphs" not in text and "error grace: LoweringError: no" in text
+
+
+def test_static_table_keeps_its_columns():
+    notes = {"grace_kernels": 51, "grace_run_host_us": 19.0, "grace_rel_err_vs_eager_tf32": 7.5e-4}
+    results = [{"model": "gpt2_6l", "ms": {"eager": 3.0, "torch.compile": 1.4, "reduce-overhead": 0.4,
+                                           "grace": 0.42, "grace[tf32]": 0.28},
+                "notes": notes, "ratio_grace_over_reduce_overhead": 1.05}]
+    head, row = B.format_static_table(results).splitlines()
+    assert head.split() == ["model", "eager", "compile", "red-ovh", "grace", "grace[tf32]", "g/ro",
+                            "kernels", "host", "us", "rel", "err"]
+    assert row.split() == ["gpt2_6l", "3.000", "1.400", "0.400", "0.420", "0.280", "1.05", "51",
+                           "19.0", "7.5e-04"]
+
+
+# ---- torch.compile counters --------------------------------------------------------------------
+
+
+def test_torch_counts_sees_compiles_and_restores_the_patch():
+    torch = pytest.importorskip("torch")
+    from torch._inductor import cudagraph_trees
+
+    originals = (cudagraph_trees.CUDAGraphTreeManager.record_function,
+                 cudagraph_trees.CUDAGraphTreeManager.run_eager)
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)
+    try:
+        with B._TorchCounts() as first:
+            f(torch.ones(3))
+            f(torch.ones(3))
+        with B._TorchCounts() as again:
+            f(torch.ones(3))
+            f(torch.ones(5))  # a new static shape: one recompile
+    finally:
+        torch._dynamo.reset()
+    assert first.result["dynamo_graphs"] == 1 and again.result["dynamo_graphs"] == 1
+    assert first.result["cudagraph_recordings"] == 0 and first.result["cudagraph_warmups"] == 0
+    assert (cudagraph_trees.CUDAGraphTreeManager.record_function,
+            cudagraph_trees.CUDAGraphTreeManager.run_eager) == originals
