@@ -370,8 +370,10 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int) -> GemmPlan:
     multiprocessor a program; a K step as deep as ~32 KiB of operands per pipeline stage allows
     (few, deep iterations hide load latency); and split-K when even the smallest tiles leave most
     of the chip idle and K is deep (decode-like shapes: M tiny, K in the thousands)."""
+    # (32, 32) is left out: with tf32x3 and a deep K step it ran 2-5x slower than both its
+    # neighbours on the H200 (docs/performance.md, run 8).
     fits = [(bm, bn) for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32),
-                                    (32, 64), (32, 32), (16, 64), (16, 32))
+                                    (32, 64), (16, 64), (16, 32))
             if bm <= max(16, next_pow2(m)) and bn <= max(32, next_pow2(n))
             and (bm >= GEMM_MIN_BM or m < GEMM_MIN_BM)]
     bm, bn = fits[-1]
@@ -409,9 +411,9 @@ def attention(kernel: Kernel, w: Writer):
     _exit_beyond(w, ext[2], f"tl.program_id(0) * {bm}")
     _exit_beyond(w, ext[0], "ib")
     _exit_beyond(w, ext[1], "ih")
-    m_term = _and_terms(None if lq % bm == 0 else f"(rm[:, None] < {lq})",
-                        _dim_valid(w, ext[2], "rm[:, None]"), _dim_valid(w, ext[0], "ib"),
-                        _dim_valid(w, ext[1], "ih"))
+    q_valid = _and_terms(_dim_valid(w, ext[2], "rm[:, None]"), _dim_valid(w, ext[0], "ib"),
+                         _dim_valid(w, ext[1], "ih"))   # rows that are not padding
+    m_term = _and_terms(None if lq % bm == 0 else f"(rm[:, None] < {lq})", q_valid)
     d_term = None if d == bd else f"(rd[None, :] < {d})"
     mask_q = _mask(w, "mask_q", m_term, d_term)
     w.emit(f"zero_q = tl.zeros([{bm}, {bd}], tl.int32)")
@@ -456,7 +458,7 @@ def attention(kernel: Kernel, w: Writer):
         w.emit("valid = valid & (rn[None, :] <= rm[:, None])")
     if "mask" in p:
         w.emit(f"mask_s = (rm[:, None] < {lq}) & (rn[None, :] < {lk})"
-               + (f" & {m_term}" if m_term else "") + (f" & {kvalid}" if kvalid else ""))
+               + (f" & {q_valid}" if q_valid else "") + (f" & {kvalid}" if kvalid else ""))
         w.emit(f"zero_s = tl.zeros([{bm}, {bn}], tl.int32)")
         sctx = Ctx(w, (b, h, lq, lk), ["ib", "ih", "rm[:, None]", "rn[None, :]"], mask="mask_s",
                    zero="zero_s")

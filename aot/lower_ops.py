@@ -596,7 +596,8 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
     L.emit(Kernel("reduction", buf, out_shape, epilogue,
                   {"src": sums.expr, "src_shape": (split, batch, m, n), "rdims": (0,),
                    "op": "sum", "acc_dtype": "float32", "src_ext": sums.ext}, ext=ext))
-    return views.view(views.contiguous_load(buf, ext), shape)
+    return views.view(views.contiguous_load(buf, shapes.regroup(out_shape, ext, buf.shape)),
+                      shape)
 
 
 @handles(aten.mm.default, aten.bmm.default)

@@ -168,3 +168,19 @@ def test_batch_and_sequence_both_dynamic(tmp_path):
             assert got.shape == ref.shape and not np.isnan(got).any()
             assert rel_err(got, ref) < 1e-5, c
     assert str(results["b"]["graph"]) == "batch=4,seq=64"
+
+
+def test_split_k_gemm_with_dynamic_rows(tmp_path):
+    """Few rows, deep K: partial sums per K chunk, reduced by a second kernel, rows masked."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 48), torch.nn.Tanh()).eval()
+    path = grace_compile(model, (torch.randn(3, 2048),), output=tmp_path / "m.grace",
+                         progress=False, fp32_matmul="ieee",
+                         dynamic_shapes=({0: Dim("rows", min=1, max=16)},))
+    from grace.formats import read_package
+    assert "reduction" in [k["family"] for k in read_package(path).manifest["kernels"]]
+    inputs = {f"r{n}": torch.randn(n, 2048) for n in (1, 5, 16)}
+    results = run_cases(path, {c: {"input": x.numpy()} for c, x in inputs.items()}, tmp_path)
+    with torch.no_grad():
+        for c, x in inputs.items():
+            assert rel_err(results[c]["out"], model.double()(x.double()).numpy()) < 1e-5, c

@@ -356,7 +356,7 @@ def _time_lengths(res, contender, fn, fixed, cfg) -> None:
         res["ms"][str(n)][contender] = statistics.median(samples)
 
 
-def _compile_grace_dyn(model, cfg, path: Path) -> dict:
+def _compile_grace_dyn(model, cfg, path: Path, precision=None) -> dict:
     """Compile the one dynamic-shape package (on the CPU, like `grace compile`)."""
     import torch
 
@@ -366,7 +366,8 @@ def _compile_grace_dyn(model, cfg, path: Path) -> dict:
     extra = {"buckets": cfg.buckets} if cfg.buckets else {}
     example = torch.randint(0, BERT_BASE["vocab"], (1, EXPORT_SEQ))
     t = time.perf_counter()
-    grace_compile(model, (example,), output=path, progress=False, fp32_matmul=cfg.precision,
+    grace_compile(model, (example,), output=path, progress=False,
+                  fp32_matmul=precision or cfg.precision,
                   dynamic_shapes={"input_ids": {1: seq}}, **extra)
     return {"compile_s": time.perf_counter() - t, "package_bytes": path.stat().st_size}
 
@@ -389,32 +390,41 @@ def _run_torch_compile(res, key, model, inputs: _Inputs, cfg) -> None:
     res["stream"][key]["built_fixed_lengths"] = fixed_counts.result
 
 
-def _run_grace(res, path: Path, model, inputs: _Inputs, cfg) -> None:
+def _run_grace(res, path: Path, model, inputs: _Inputs, cfg, key: str = "grace") -> None:
     """Load the package, time the stream (cold pass = lazy instantiations), the fixed lengths,
-    the host cost of run() at HOST_SEQ, and the error against eager at each fixed length."""
+    the host cost of run() at HOST_SEQ, and the error against eager at each fixed length.
+    `key`: the contender's name ("grace", or "grace[tf32]" for another precision)."""
     import torch
 
     from grace.runtime import load
 
+    detail = res.setdefault(key, {})
     t = time.perf_counter()
     pkg = load(path)
     sess = pkg.session()
-    res["grace"]["load_s"] = time.perf_counter() - t
+    detail["load_s"] = time.perf_counter() - t
     try:
         fn = lambda ids: sess.run(ids)  # noqa: E731
-        res["stream"]["grace"] = _stream_passes(fn, inputs.stream)
-        res["stream"]["grace"]["instantiations"] = dict(getattr(sess, "instantiations", {}) or {})
-        _time_lengths(res, "grace", fn, inputs.fixed, cfg)
-        res["grace"][f"run_host_us_{HOST_SEQ}"] = host_us(lambda: sess.run(inputs.host), sess.sync)
-        res["grace"]["rel_err_vs_eager_tf32"] = {}
+        res["stream"][key] = _stream_passes(fn, inputs.stream)
+        res["stream"][key]["instantiations"] = dict(getattr(sess, "instantiations", {}) or {})
+        _time_lengths(res, key, fn, inputs.fixed, cfg)
+        detail[f"run_host_us_{HOST_SEQ}"] = host_us(lambda: sess.run(inputs.host), sess.sync)
+        detail["rel_err_vs_eager_tf32"] = {}
         for n, ids in inputs.fixed.items():
             got = torch.from_numpy(next(iter(sess.run(ids).values())).numpy()).cuda()
-            res["grace"]["rel_err_vs_eager_tf32"][str(n)] = rel_err(got, model(ids))
-        res["grace"]["instantiations"] = dict(getattr(sess, "instantiations", {}) or {})
-        res["grace"]["last_graph"] = getattr(sess, "last_graph", None)
+            detail["rel_err_vs_eager_tf32"][str(n)] = rel_err(got, model(ids))
+        detail["instantiations"] = dict(getattr(sess, "instantiations", {}) or {})
+        detail["last_graph"] = getattr(sess, "last_graph", None)
     finally:
         sess.close()
         pkg.close()
+
+
+def _run_grace_at(res, key: str, precision: str, model, inputs: _Inputs, cfg, path: Path):
+    """Another grace contender: the same dynamic package compiled at another fp32 precision."""
+    res.setdefault(key, {}).update(_compile_grace_dyn(model.cpu(), cfg, path, precision))
+    model.cuda()
+    _run_grace(res, path, model, inputs, cfg, key)
 
 
 def _guarded(res, contender: str, fn, *args) -> None:
@@ -472,6 +482,11 @@ def bench_dynamic(name: str, cfg, workdir: Path, checkpoint=lambda res: None) ->
         if "grace" not in res["errors"]:
             _guarded(res, "grace", _run_grace, res, path, model, inputs, cfg)
             checkpoint(res)
+        for prec in cfg.fp32_matmul.split(",")[1:]:   # the same package at other precisions
+            key = f"grace[{prec}]"
+            extra = workdir / f"{name}-{prec}.grace"
+            _guarded(res, key, _run_grace_at, res, key, prec, model, inputs, cfg, extra)
+            checkpoint(res)
         for key in ("torch.compile", "reduce-overhead"):
             _guarded(res, key, _run_torch_compile, res, key, model, inputs, cfg)
             checkpoint(res)
@@ -489,16 +504,17 @@ def _fmt(x, spec: str = "8.3f") -> str:
 def format_dynamic_table(res: dict) -> str:
     """The dynamic workload's summary: ms per call per length and for the mixed stream (cold and
     warm), what each contender built, and grace's package. Missing figures print as '-'."""
-    head = f"{'':16s}" + "".join(f"{c:>16s}" for c in DYN_CONTENDERS)
+    contenders = DYN_CONTENDERS + tuple(k for k in res["stream"] if k.startswith("grace["))
+    head = f"{'':16s}" + "".join(f"{c:>16s}" for c in contenders)
     lines = [f"{res['model']}: ms per call (batch 1, fp32)", head]
     for n, row in res["ms"].items():
         lines.append(f"{'seq ' + n:16s}" + "".join(f"{_fmt(row.get(c), '16.3f')}"
-                                                   for c in DYN_CONTENDERS))
+                                                   for c in contenders))
     stream = res["stream"]
     calls = res["config"]["stream_calls"]
     for phase in ("cold", "warm"):
         lines.append(f"{f'stream {phase}':16s}" + "".join(
-            f"{_fmt(stream.get(c, {}).get(f'{phase}_ms_per_call'), '16.3f')}" for c in DYN_CONTENDERS))
+            f"{_fmt(stream.get(c, {}).get(f'{phase}_ms_per_call'), '16.3f')}" for c in contenders))
     lines.append(f"(stream: {calls} calls, {res['config']['stream_distinct_lengths']} distinct "
                  f"lengths in [{res['config']['range'][0]}, {res['config']['range'][1]}])")
     for key in ("torch.compile", "reduce-overhead"):

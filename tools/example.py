@@ -2,10 +2,11 @@
 
     python -m grace.tools.example [--workdir DIR] [--interpret]
 
-It exports a small Llama-style decoder block (grace.tools.models.LlamaBlock) with torch.export,
-then drives the `grace` CLI exactly as a user would, printing each command. `grace run` uses the
-GPU when one is present and otherwise the CPU reference executor (`--interpret`), and the result
-is compared with torch eager on the same input.
+It exports a small Llama-style decoder block (grace.tools.models.LlamaBlock) with torch.export and
+a dynamic sequence length (1..128), then drives the `grace` CLI exactly as a user would, printing
+each command: the package holds two shape buckets (one CUDA graph each), and `grace run` feeds it a
+length that is not a bucket size. `grace run` uses the GPU when one is present and otherwise the
+CPU reference executor (`--interpret`); the result is compared with torch eager on the same input.
 """
 from __future__ import annotations
 
@@ -49,16 +50,18 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = LlamaBlock().eval()
     x = torch.randn(1, 32, 64)
-    exported = torch.export.export(model, (x,))
+    seq = torch.export.Dim("seq", min=1, max=128)
+    exported = torch.export.export(model, (x,), dynamic_shapes={"x": {1: seq}})
     torch.export.save(exported, work / "block.pt2")
     print(f"exported LlamaBlock to {work / 'block.pt2'}")
 
     grace = [sys.executable, "-m", "grace.tools.cli"]
+    # the dynamic dimension is named after its input and position: x.1
     sh(grace + ["compile", str(work / "block.pt2"), "-o", str(work / "block.grace"),
-                "--name", "llama_block"])
+                "--name", "llama_block", "--buckets", "x.1=32,128"])
     sh(grace + ["inspect", str(work / "block.grace")])
 
-    fresh = torch.randn(1, 32, 64)
+    fresh = torch.randn(1, 77, 64)   # served by the 128 bucket, results of the exact length
     np.save(work / "x.npy", fresh.numpy())
     run = grace + ["run", str(work / "block.grace"), "--input", f"x={work / 'x.npy'}",
                    "--output", str(work / "out.npz")]

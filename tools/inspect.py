@@ -403,6 +403,9 @@ def _render_symbols(console, d: Mapping, table) -> None:
         console.print()
 
 
+SHOWN_STATS = ("kernels", "unique_kernels", "arena_nbytes")   # already columns of their own
+
+
 def _render_graphs(console, d: Mapping, table) -> None:
     """One row per graph (bucket) with its costs, then the kernel families.
 
@@ -415,7 +418,7 @@ def _render_graphs(console, d: Mapping, table) -> None:
     stat_keys: list[str] = []
     for g in graphs:
         for k, v in (g.get("stats") or {}).items():
-            if k != "kernels" and _is_number(v) and k not in stat_keys:
+            if k not in SHOWN_STATS and _is_number(v) and k not in stat_keys:
                 stat_keys.append(k)
     title = f"graphs, one per bucket ({len(graphs)})" if len(graphs) > 1 else "graphs (1)"
     t = table(title, "graph", "bucket", ">kernels", ">unique kernels", ">arena", *(">" + k for k in stat_keys))
@@ -424,7 +427,8 @@ def _render_graphs(console, d: Mapping, table) -> None:
         arena = g.get("arena")
         t.add_row(escape(str(g["name"])), _bucket_text(g.get("bucket") or {}),
                   _num(g["kernels"]) if g.get("kernels") is not None else "-",
-                  str(g["unique_kernels"]), human_bytes(arena) if _is_number(arena) else "-",
+                  str(stats.get("unique_kernels", g["unique_kernels"])),
+                  human_bytes(arena) if _is_number(arena) else "-",
                   *(_num(stats[k]) if _is_number(stats.get(k)) else "-" for k in stat_keys))
     console.print(t)
     if len(graphs) == 1:

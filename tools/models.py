@@ -66,10 +66,10 @@ class LlamaBlock(nn.Module):
         cos, sin = self.cos[:s], self.sin[:s]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        rep = self.n_heads // self.n_kv
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # grouped-query attention inside SDPA (torch 2.11's export cannot prove the contiguity
+        # guards that repeat_interleave / expand+reshape of k, v add for a dynamic S)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv != self.n_heads)
         y = y.transpose(1, 2).reshape(b, s, -1)
         x = x + self.wo(y)
         h = self.ffn_norm(x)

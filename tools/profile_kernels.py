@@ -1,7 +1,10 @@
 """Per-kernel GPU time of a grace package run, from torch's CUDA profiler (CUPTI sees every
 kernel in the process's context, ours included).
 
-    python -m grace.tools.profile_kernels MODEL.grace [--iters 20]
+    python -m grace.tools.profile_kernels MODEL.grace [--iters 20] [--size seq=129 ...]
+
+A package with size symbols runs at the given sizes (default: each at its maximum), so the graph of
+that bucket is the one profiled.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ def main(argv=None):
     ap.add_argument("package")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--size", action="append", default=[], metavar="NAME=VALUE",
+                    help="value of a size symbol (repeatable; default: its maximum)")
     args = ap.parse_args(argv)
     import numpy as np
     import torch
@@ -22,12 +27,19 @@ def main(argv=None):
     from grace.runtime import load
     pkg = load(args.package)
     sess = pkg.session()
+    sizes = {s["name"]: s["max"] for s in pkg.manifest.get("symbols", []) if s["kind"] == "input"}
+    for item in args.size:
+        name, _, value = item.partition("=")
+        if name not in sizes or not value.isdigit():
+            ap.error(f"--size {item!r}: expected NAME=VALUE with NAME one of {', '.join(sizes) or 'none'}")
+        sizes[name] = int(value)
     inputs = {}
     for spec in pkg.manifest["inputs"]:
+        shape = [sizes[d] if isinstance(d, str) else d for d in spec["shape"]]
         if spec["dtype"].startswith("int"):
-            inputs[spec["name"]] = torch.randint(0, 100, spec["shape"], device="cuda")
+            inputs[spec["name"]] = torch.randint(0, 100, shape, device="cuda")
         else:
-            inputs[spec["name"]] = torch.randn(spec["shape"], device="cuda").to(getattr(torch, spec["dtype"]))
+            inputs[spec["name"]] = torch.randn(shape, device="cuda").to(getattr(torch, spec["dtype"]))
     for _ in range(5):
         sess.run(**inputs)
     sess.sync()
@@ -41,6 +53,8 @@ def main(argv=None):
             per[e.name][0] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
             per[e.name][1] += 1
     total = sum(v[0] for v in per.values()) / args.iters
+    if sizes:
+        print(f"sizes {sizes}: graph {sess.last_graph}")
     print(f"GPU kernel time per call: {total:.1f} us over {sum(v[1] for v in per.values()) // args.iters} launches")
     for name, (us, count) in sorted(per.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{us / args.iters:9.1f} us {count // args.iters:4d}x  {name}")
