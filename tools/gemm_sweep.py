@@ -1,59 +1,108 @@
 """GEMM tile sweep on the GPU, timed by CUPTI (the torch profiler): kernel time only, no launch
-overhead. The kernel mirrors the generated fp32 GEMM (row mask with a runtime extent, early exit,
-bias epilogue). Prints the six fastest tiles per shape and writes gemm_sweep.json to $OUT (or /tmp).
+overhead, so tiles that take a few microseconds are told apart (back-to-back Python launches cost
+~15 µs each and hide them). The kernel mirrors the generated fp32 GEMM: a row mask with a runtime
+extent, early exit past it, a bias epilogue.
 
-    python -m grace.tools.gemm_sweep
+    python -m grace.tools.gemm_sweep [--out sweep.json]
+
+Prints the six fastest tiles per shape; `--out` gets every timing (docs/performance.md, the sweep
+behind gemm_plan's notes).
 """
-import json, os, sys, torch, triton, triton.language as tl
-from collections import defaultdict
-from torch.profiler import ProfilerActivity, profile
+from __future__ import annotations
 
-@triton.jit
-def gemm(ext, A, B, bias, C, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    sz0 = tl.load(ext)
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    if tl.program_id(0) * BM >= sz0:
-        return
-    acc = tl.zeros([BM, BN], tl.float32)
-    for kk in range(0, K, BK):
-        rk = kk + tl.arange(0, BK)
-        mask_a = rm[:, None] < sz0
-        x1 = tl.load(A + rm[:, None] * K + rk[None, :], mask=mask_a, other=0)
-        x1 = tl.where(mask_a, x1, 0.0)
-        x2 = tl.load(B + rk[:, None] + rn[None, :] * K)
-        acc = tl.dot(x1, x2, acc, input_precision=PREC)
-    x3 = tl.load(bias + rn[None, :] + rm[:, None] * 0, mask=rm[:, None] < sz0, other=0)
-    tl.store(C + rm[:, None] * N + rn[None, :], acc + x3, mask=rm[:, None] < sz0)
+import argparse
+import json
+from pathlib import Path
 
 TILES = [(16, 32), (16, 64), (32, 64), (64, 32), (64, 64), (128, 64), (64, 128), (128, 128)]
-BKS = [32, 64, 128]
-results = []
-for prec in ["tf32x3", "tf32"]:
-    for M in [16, 64, 128, 256, 512]:
-        for N, K in [(768, 768), (3072, 768), (768, 3072)]:
-            A = torch.randn(M, K, device="cuda"); W = torch.randn(N, K, device="cuda"); b = torch.randn(N, device="cuda")
-            C = torch.empty(M, N, device="cuda"); ext = torch.tensor([M], device="cuda")
-            fns = {}
-            for bm, bn in TILES:
-                for bk in BKS:
-                    if bm > max(16, M): continue
-                    warps = 8 if bm * bn > 64 * 64 else 4
-                    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-                    fns[(bm, bn, bk)] = (lambda g=grid, bm=bm, bn=bn, bk=bk, w=warps:
-                        gemm[g](ext, A, W, b, C, M, N, K, bm, bn, bk, prec, num_warps=w, num_stages=3))
-            for key in list(fns):
-                try: fns[key]()
-                except Exception as e: del fns[key]
+K_STEPS = [32, 64, 128]
+ROWS = [16, 64, 128, 256, 512]
+SHAPES = [(768, 768), (3072, 768), (768, 3072)]    # (N, K): BERT-base's projections and FFN
+PRECISIONS = ["tf32x3", "tf32"]
+CALLS = 10
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemm(ext, a_ptr, w_ptr, bias, c_ptr, n, k, BM: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, PREC: tl.constexpr):
+        rows = tl.load(ext)
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+        if tl.program_id(0) * BM >= rows:
+            return
+        acc = tl.zeros([BM, BN], tl.float32)
+        for kk in range(0, k, BK):
+            rk = kk + tl.arange(0, BK)
+            mask_a = rm[:, None] < rows
+            a = tl.load(a_ptr + rm[:, None] * k + rk[None, :], mask=mask_a, other=0)
+            a = tl.where(mask_a, a, 0.0)
+            w = tl.load(w_ptr + rk[:, None] + rn[None, :] * k)
+            acc = tl.dot(a, w, acc, input_precision=PREC)
+        b = tl.load(bias + rn[None, :] + rm[:, None] * 0, mask=rm[:, None] < rows, other=0)
+        tl.store(c_ptr + rm[:, None] * n + rn[None, :], acc + b, mask=rm[:, None] < rows)
+
+    return gemm
+
+
+def sweep_shape(gemm, prec: str, m: int, n: int, k: int) -> dict:
+    """{(bm, bn, bk): µs per call} for every tile that fits the GPU's shared memory."""
+    import torch
+    import triton
+    from torch.profiler import ProfilerActivity, profile
+
+    a, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    bias, c = torch.randn(n, device="cuda"), torch.empty(m, n, device="cuda")
+    ext = torch.tensor([m], device="cuda")
+    calls = {}
+    for bm, bn in TILES:
+        for bk in K_STEPS:
+            if bm > max(16, m):
+                continue
+            grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+            warps = 8 if bm * bn > 64 * 64 else 4
+
+            def call(grid=grid, bm=bm, bn=bn, bk=bk, warps=warps):
+                gemm[grid](ext, a, w, bias, c, n, k, bm, bn, bk, prec, num_warps=warps,
+                           num_stages=3)
+            try:
+                call()                      # compile; too much shared memory raises here
+            except Exception:  # noqa: BLE001 - a tile that does not fit is simply skipped
+                continue
+            calls[(bm, bn, bk)] = call
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for call in calls.values():
+            for _ in range(CALLS):
+                call()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for key, f in fns.items():
-                    for _ in range(10): f()
-                    torch.cuda.synchronize()
-            ev = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "gemm" in e.name),
-                        key=lambda e: e.time_range.start)
-            per = [sum(x.device_time_total for x in ev[i*10:(i+1)*10]) / 10 for i in range(len(fns))]
-            row = sorted(zip(per, fns.keys()))
-            results.append({"prec": prec, "M": M, "N": N, "K": K, "best": [(round(t, 1), k) for t, k in row[:6]], "all": {str(k): round(t, 1) for t, k in row}})
-            print(prec, M, N, K, " ".join(f"{k[0]}x{k[1]}x{k[2]}:{t:.1f}" for t, k in row[:6]), flush=True)
-json.dump(results, open(os.environ.get("OUT", "/tmp") + "/gemm_sweep.json", "w"), indent=1)
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "gemm" in e.name),
+                    key=lambda e: e.time_range.start)
+    return {key: sum(e.device_time_total for e in events[i * CALLS:(i + 1) * CALLS]) / CALLS
+            for i, key in enumerate(calls)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None, help="write every timing as JSON")
+    args = ap.parse_args(argv)
+    gemm = _kernel()
+    results = []
+    for prec in PRECISIONS:
+        for m in ROWS:
+            for n, k in SHAPES:
+                times = sweep_shape(gemm, prec, m, n, k)
+                ranked = sorted((t, key) for key, t in times.items())
+                results.append({"prec": prec, "M": m, "N": n, "K": k,
+                                "all": {str(key): round(t, 1) for t, key in ranked}})
+                print(prec, m, n, k, " ".join(f"{bm}x{bn}x{bk}:{t:.1f}"
+                                              for t, (bm, bn, bk) in ranked[:6]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
