@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 
 from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, Writer, and_mask, factor_terms
-from .ir import Kernel, numel
+from .ir import EXTENTS, Kernel, numel
 from .shapes import is_prefix, true_size
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
@@ -531,7 +531,6 @@ def to_extent(kernel: Kernel, w: Writer):
 
 
 def _store_extent(w: Writer, symbol, value: str):
-    from .ir import EXTENTS
     ext = w.ptr(EXTENTS)
     w.emit(f"tl.store({ext} + {w.symbols[symbol]}, {value})")
 

@@ -12,7 +12,7 @@ import math
 
 import sympy
 
-from .ir import (Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape, SymValue,
+from .ir import (EXTENTS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape, SymValue,
                  compute_dtype, contiguous_strides, is_contiguous, numel)
 
 TL_TYPE = {
@@ -80,7 +80,6 @@ class Writer:
 
     def extent(self, expr) -> str:
         """Code for a size expression over the symbols, from the extents table."""
-        from .ir import EXTENTS
         expr = sympy.sympify(expr)
         if expr.is_Integer:
             return str(int(expr))
@@ -102,6 +101,8 @@ class Writer:
                 code = f"{fn}({code}, {a})"
         elif type(expr).__name__ == "FloorDiv":
             code = f"{args[0]} // {args[1]}"
+        elif isinstance(expr, sympy.Pow) and expr.exp.is_Integer and 0 < int(expr.exp) <= 8:
+            code = " * ".join([args[0]] * int(expr.exp))
         else:
             raise ValueError(f"cannot evaluate the size {expr} in a kernel")
         return self._prologue_value(expr, f"({code})", "sz")

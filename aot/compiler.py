@@ -114,7 +114,12 @@ def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict) -> pack
     kernels = fuse.fuse_epilogues(lowered.kernels)
     plan = memplan.plan_memory(kernels, lowered.weights)
     memplan.check_plan(plan)
-    sources = [codegen.generate(k, sym_index) for k in kernels]
+    sources = []
+    for k in kernels:
+        try:
+            sources.append(codegen.generate(k, sym_index))
+        except ValueError as exc:   # a size expression a kernel cannot evaluate
+            raise lower.LoweringError(f"{exc} — in the kernel for node '{k.label}'") from exc
     readers = [any(b.kind == "extents" for b in src.buffers) for src in sources]
     deps = memplan.dependencies(kernels, plan, readers)
     graph_name = ",".join(f"{k}={v}" for k, v in bounds.items()) or "main"
@@ -143,9 +148,10 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
     for bounds in shapes.combinations(symbols, lists):
         graphs.append(_lower_bucket(core, name, options, symbols, sym_index, bounds))
     _check_same_interface(graphs)
-    slots, extents, table_nbytes = package.table_layout(graphs[0].program, len(symbols))
-    for g in graphs[1:]:
-        package.table_layout(g.program, len(symbols))
+    layouts = [package.table_layout(g.program, len(symbols)) for g in graphs]  # sets buf.slot
+    if any(layout != layouts[0] for layout in layouts[1:]):
+        raise lower.LoweringError("internal: buckets lowered to different argument tables")
+    slots, extents, table_nbytes = layouts[0]
     writer = codegen.table_writer_source(slots, extents)
     recorded = options.recorded()
     if lists:

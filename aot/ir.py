@@ -239,9 +239,6 @@ def is_cheap(expr: Expr, limit: int = 24) -> bool:
 EXTENTS = Buffer("extents", "extents", "int64", (0,))   # the extents table (symbol values)
 
 
-def has_dynamic(ext) -> bool:
-    return ext is not None and any(e is not None for e in ext)
-
 
 # ----------------------------------------------------------------------------------------------
 # Kernels

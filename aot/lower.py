@@ -85,6 +85,8 @@ class Lowering:
         self.name = name
         self.options = {**DEFAULT_OPTIONS, **(options or {})}
         self.bucket = dict(bucket or {})
+        self.input_symbols = set(self.bucket)
+        self.item_kernels: dict = {}     # data symbol -> the kernel that writes it (.item())
         self.dynamic = bool(self.bucket) or bool(program.range_constraints)
         self.kernels: list[Kernel] = []
         self.inputs: list[Buffer] = []
@@ -165,12 +167,15 @@ class Lowering:
         device), with its bound in this bucket."""
         val = node.meta["val"]
         sizes = [val] if isinstance(val, torch.SymInt) else list(val.shape)
+        data = set(self.program.range_constraints) - self.input_symbols
         for size in sizes:
             expr = sym_expr(size)
-            if expr is not None and expr.is_Symbol and expr not in self.bucket:
-                self.bucket[expr] = int(bound)
+            if expr is not None and expr.is_Symbol and expr in data:
+                # torch reuses the symbol when it proves two sizes equal (the same mask used
+                # twice): the second kernel writes the same value again
+                self.bucket[expr] = min(self.bucket.get(expr, int(bound)), int(bound))
                 return expr
-        raise LoweringError("internal: no new data-dependent size in this node's result")
+        raise LoweringError("internal: no data-dependent size in this node's result")
 
     def placeholder(self, node, spec, state) -> TV:
         val = node.meta.get("val")
@@ -242,15 +247,22 @@ class Lowering:
         metas = [sym_expr(d) for d in val.shape]
         if value.ext is None and all(m is None for m in metas):
             return value
-        known = {}
+        known, conflicts = {}, set()
         for arg in node.all_input_nodes:
             tv = self.env.get(arg)
             for t in (tv if isinstance(tv, (tuple, list)) else [tv]):
                 if isinstance(t, TV):
                     for e in t.exts():
                         if e is not None:
-                            known.setdefault(shapes.true_size(e, 0), e)
+                            size = shapes.true_size(e, 0)
+                            if known.setdefault(size, e) != e:
+                                conflicts.add(size)
         if value.ext is None:
+            if any(m in conflicts for m in metas):
+                raise LoweringError(
+                    "this op combines tensors whose dimensions of the same dynamic size are laid "
+                    "out differently (one merges several dynamic dimensions by a reshape, the "
+                    "other does not); reshape after the op instead")
             ext = [None if m is None else known.get(m) or shapes.simple(size_of(d), m)
                    for m, d in zip(metas, val.shape)]
             return TV(value.expr, value.shape, ext)
@@ -275,6 +287,11 @@ class Lowering:
             if buf.dynamic and any(len(e) > 1 for e in tv.ext if e is not None):
                 raise LoweringError(f"output {i} has a merged dynamic dimension; return it with "
                                     "each dynamic dimension separate")
+            data = set(self.program.range_constraints) - self.input_symbols
+            if any(e is not None and shapes.true_size(e, 0).free_symbols & data
+                   for e in tv.exts()[1:]):
+                raise LoweringError(f"output {i} has a data-dependent size in a dimension other "
+                                    "than the first; the host could not know its strides")
             self.sizes[buf.name] = tuple(value.meta["val"].shape)
             self.outputs.append(buf)
             self.node = value

@@ -105,6 +105,8 @@ def _isnan(L, node, x):
 
 @handles(aten.pow.Tensor_Scalar)
 def _pow_scalar(L, node, x, exponent):
+    if sym_expr(exponent) is not None:   # a size as the exponent: a tensor pow
+        return _pointwise(L, node, "pow", x, exponent)
     return _pointwise(L, node, "pow", x, param=float(exponent))
 
 
@@ -190,8 +192,9 @@ def _arange(L, node, *args, **kwargs):
         start = args[0]
         step = args[2] if len(args) > 2 else kwargs.get("step", 1)
     kind = "float32" if dtype in ("float32", "float16", "bfloat16", "float64") else "int64"
-    value = Op("add", [Op("mul", [Op("cast", [Index(0)], kind), Const(step, kind)], kind),
-                       Const(start, kind)], kind)
+    # a start or step that is a size (arange(P, P + S)) is read on the device
+    value = Op("add", [Op("mul", [Op("cast", [Index(0)], kind), as_operand(step, (), kind)], kind),
+                       as_operand(start, (), kind)], kind)
     return TV(Op("cast", [value], dtype) if kind != dtype else value, shape)
 
 
@@ -227,6 +230,11 @@ def _expand(L, node, x, shape, implicit=False):
 @handles(aten.slice.Tensor, aten.slice_copy.Tensor)
 def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     dim %= len(x.shape)
+    if sym_expr(start) is not None:
+        raise LoweringError("slicing from a dynamic offset (x[n:...] with n a size) is not "
+                            "supported: the offset is only known on the device")
+    if sym_expr(end) is not None:
+        _tighten_item_bound(L, end, x.shape[dim] - (start or 0))
     entry = out_ext(node)[dim]
     if entry is None and x.dim_ext(dim) is None:
         return views.slice_(x, dim, start, end, step)
@@ -240,9 +248,14 @@ def _slice(L, node, x, dim=0, start=None, end=None, step=1):
 
 @handles(aten.select.int, aten.select_copy.int)
 def _select(L, node, x, dim, index):
-    if x.dim_ext(dim % len(x.shape)) is not None and (sym_expr(index) is not None or index < 0):
-        raise LoweringError("indexing a dynamic dimension from its end (or by a size) is not "
-                            "supported: the position would move with the true size")
+    entry = x.dim_ext(dim % len(x.shape))
+    if sym_expr(index) is not None:
+        raise LoweringError("indexing at a dynamic position (x[n] with n a size) is not "
+                            "supported: the position is only known on the device")
+    if entry is not None and (index < 0 or len(entry) > 1):
+        raise LoweringError("indexing a dynamic dimension from its end, or a dimension that "
+                            "merges dynamic ones, is not supported: the position would move "
+                            "with the true sizes")
     return views.select(x, dim, index)
 
 
@@ -295,6 +308,9 @@ def _stack(L, node, tensors, dim=0):
 
 @handles(aten.constant_pad_nd.default)
 def _pad(L, node, x, pad, value=0.0):
+    if sym_expr(value) is not None or any(sym_expr(p) is not None for p in pad):
+        raise LoweringError("padding by a dynamic size (or with a size as the value) is not "
+                            "supported")
     return views.pad(x, list(pad), value)
 
 
@@ -313,18 +329,25 @@ def _ignore(L, node, *args, **kwargs):
 
 
 # ---- gathers ---------------------------------------------------------------------------------
-def _index_expr(idx: TV, size: int) -> object:
-    """An index tensor's value with negative indices wrapped (torch semantics)."""
+def _index_expr(idx: TV, x: TV, dim: int) -> object:
+    """An index tensor's value with negative indices wrapped by the true size of x's `dim`
+    (torch semantics). Gathering along a dimension that merges dynamic ones is refused: its
+    bucket layout does not put true position i at index i."""
+    entry = x.dim_ext(dim)
+    if entry is not None and len(entry) > 1:
+        raise LoweringError("indexing along a dimension that merges dynamic dimensions is not "
+                            "supported (index it before the reshape)")
+    size = Const(x.shape[dim], "int64") if entry is None else SymValue(shapes.true_size(entry, 0))
     e = idx.expr if idx.dtype == "int64" else Op("cast", [idx.expr], "int64")
     neg = Op("lt", [e, Const(0, "int64")], "bool")
-    return Op("where", [neg, Op("add", [e, Const(size, "int64")], "int64"), e], "int64")
+    return Op("where", [neg, Op("add", [e, size], "int64"), e], "int64")
 
 
 @handles(aten.embedding.default)
 def _embedding(L, node, weight, indices, padding_idx=-1, *rest):
     shape, _ = out_meta(node)
     n = len(indices.shape)
-    idx = TV(_index_expr(indices, weight.shape[0]), indices.shape)
+    idx = TV(_index_expr(indices, weight, 0), indices.shape)
     idx_in_out = views.remap(idx.expr, [DimMap("dim", d) for d in range(n)], n + 1)
     maps = [DimMap("expr", expr=idx_in_out), DimMap("dim", n)]
     return TV(Reindex(weight.expr, maps), shape)
@@ -337,6 +360,9 @@ def _compact(L, node, mask: TV) -> TV:
     table, so consumers read the size on the device — no host round trip."""
     if not mask.shape:
         raise LoweringError("nonzero of a 0-d tensor is not supported")
+    if any(e is not None and len(e) > 1 for e in mask.exts()):
+        raise LoweringError("nonzero over a dimension that merges dynamic dimensions is not "
+                            "supported (its bucket positions are not the true positions)")
     bound = numel(mask.shape)
     sym = L.data_symbol(node, bound)
     nd = len(mask.shape)
@@ -370,7 +396,19 @@ def _item(L, node, x):
         x = views.view(x, ())
     L.emit(Kernel("to_extent", EXTENTS, (), Acc("int64"),
                   {"src": x.expr, "symbol": sym, "lo": lo, "hi": hi}))
+    L.item_kernels[sym] = L.kernels[-1]
     return shapes.SymSize(hi, sym)
+
+
+def _tighten_item_bound(L, end, size: int):
+    """x[:n.item()]: n is at most x's size in this bucket (torch._check says so; a violated check
+    would otherwise read past x), so the clamp on the device and the bound of every buffer sized
+    by n shrink to it."""
+    sym = sym_expr(end)
+    kernel = L.item_kernels.get(sym)
+    if kernel is not None and size < kernel.inputs["hi"]:
+        kernel.inputs["hi"] = size
+        L.bucket[sym] = size
 
 
 @handles(aten.index.Tensor)
@@ -390,7 +428,7 @@ def _index(L, node, x, indices):
             maps.append(DimMap("dim", d))
         elif d < k + m:
             idx = views.expand(indices[d], bshape)
-            e = _index_expr(TV(idx.expr, bshape), x.shape[d])
+            e = _index_expr(TV(idx.expr, bshape), x, d)
             e = views.remap(e, [DimMap("dim", k + j) for j in range(nb)], len(shape))
             maps.append(DimMap("expr", expr=e))
         else:
@@ -431,7 +469,7 @@ def _gather(L, node, x, dim, index, sparse_grad=False):
     shape, _ = out_meta(node)
     dim %= len(x.shape)
     maps = [DimMap("dim", d) for d in range(len(x.shape))]
-    maps[dim] = DimMap("expr", expr=_index_expr(index, x.shape[dim]))
+    maps[dim] = DimMap("expr", expr=_index_expr(index, x, dim))
     return TV(Reindex(x.expr, maps), shape)
 
 

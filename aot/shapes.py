@@ -17,7 +17,6 @@ merged dimension need not be a prefix and are still described exactly. Views onl
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import sympy
@@ -48,10 +47,6 @@ def sym_expr(value) -> sympy.Expr | None:
         expr = value.node.expr
         return None if expr.is_number else expr
     return None
-
-
-def is_static(entry) -> bool:
-    return entry is None
 
 
 def true_size(entry, bucket: int):
@@ -88,7 +83,12 @@ def regroup(in_shape, in_ext, out_shape) -> tuple:
     split — then the bucket layout would not be the view of the true tensor."""
     queue: list[list] = []
     for size, entry in zip(in_shape, in_ext):
-        queue.extend([b, t] for b, t in factors(entry, size))
+        for b, t in factors(entry, size):
+            static = sympy.sympify(t).is_number
+            if static and queue and sympy.sympify(queue[-1][1]).is_number:
+                queue[-1] = [queue[-1][0] * b, queue[-1][0] * b]   # adjacent static factors merge
+            else:
+                queue.append([b, t])
     out = []
     for size in out_shape:
         if size == 1:
@@ -108,10 +108,13 @@ def regroup(in_shape, in_ext, out_shape) -> tuple:
                 got.append((need, need))        # split a static factor
                 queue[0] = [b // need, b // need]
                 need = 1
-            else:
+            elif dynamic:
                 raise ShapeError(
                     f"viewing {list(in_shape)} as {list(out_shape)} would split the dynamic "
                     f"dimension of true size {t}; the bucket layout cannot express that view")
+            else:
+                raise ShapeError(f"cannot view {list(in_shape)} as {list(out_shape)} across a "
+                                 "dynamic dimension")
         dynamic = [f for f in got if not sympy.sympify(f[1]).is_number]
         out.append(tuple(got) if dynamic else None)
     if any(not sympy.sympify(t).is_number or b != 1 for b, t in queue):
@@ -167,7 +170,11 @@ def find_data_symbols(program, inputs: list[Symbol]) -> list[Symbol]:
     """Unbacked symbols (torch.export's `u0`, ...): sizes that kernels compute on the device."""
     known = {s.expr for s in inputs}
     out = []
-    for expr, rng in sorted(program.range_constraints.items(), key=lambda kv: str(kv[0])):
+    def natural(item):   # u2 before u10
+        name = str(item[0])
+        return (name.rstrip("0123456789"), int(name[len(name.rstrip("0123456789")):] or 0))
+
+    for expr, rng in sorted(program.range_constraints.items(), key=natural):
         if expr in known or not isinstance(expr, sympy.Symbol):
             continue
         lo = int(rng.lower) if rng.lower.is_finite else 0
@@ -206,7 +213,8 @@ def bucket_lists(symbols: list[Symbol], overrides: dict | None) -> dict[str, lis
             if values[-1] < s.hi:
                 raise ShapeError(f"the largest bucket of {s.name} ({values[-1]}) is below the "
                                  f"exported maximum {s.hi}; add a bucket of at least {s.hi}")
-            values = [v for v in values if v < s.hi] + [s.hi]
+            # a bound below the range's minimum could never be selected
+            values = [v for v in values if s.lo <= v < s.hi] + [s.hi]
             out[s.name] = values
         else:
             out[s.name] = default_buckets(s.lo, s.hi)
@@ -248,6 +256,12 @@ def to_manifest(expr, names: dict) -> object:
             acc = (["-", acc, to_manifest(-a, names)] if a.could_extract_minus_sign()
                    else ["+", acc, to_manifest(a, names)])
         return acc
+    if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and 0 < int(expr.exp) <= 8:
+        base = to_manifest(expr.base, names)
+        acc = base
+        for _ in range(int(expr.exp) - 1):
+            acc = ["*", acc, base]
+        return acc
     ops = {sympy.Mul: "*", sympy.Max: "max", sympy.Min: "min"}
     for cls, op in ops.items():
         if isinstance(expr, cls):
@@ -272,6 +286,3 @@ def padding_cost(symbol: Symbol, bounds: list[int]) -> float:
         prev = b
     return padded / max(total, 1)
 
-
-def product(values) -> int:
-    return math.prod(values)

@@ -118,3 +118,56 @@ def test_data_dependent_sizes_become_data_symbols(tmp_path):
     assert m["outputs"][0]["shape"] == ["u0", 2]
     assert m["graphs"][0]["bucket"] == {"u0": 24}
     assert "compact" in [k["family"] for k in m["kernels"]]
+
+
+# ---- patterns the bucket layout cannot serve are refused at compile time -----------------------
+class _GatherMerged(torch.nn.Module):
+    def forward(self, x, idx):
+        return x.reshape(-1, 4)[idx]
+
+
+class _SelectMerged(torch.nn.Module):
+    def forward(self, x):
+        return x.reshape(-1)[3] + x.sum()
+
+
+class _MixedLayouts(torch.nn.Module):
+    def forward(self, x):
+        f = x.reshape(-1)
+        return (f + torch.arange(f.shape[0])).sum()
+
+
+class _NonzeroMerged(torch.nn.Module):
+    def forward(self, x):
+        return torch.nonzero(x.reshape(-1) > 0)
+
+
+class _DynamicOffset(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(128, 4))
+
+    def forward(self, cache, x):
+        p = cache.shape[0]
+        return x + self.table[p:p + 1]
+
+
+@pytest.mark.parametrize("model, args, shapes, message", [
+    (_GatherMerged(), (torch.randn(2, 8, 4), torch.tensor([0, 5])), ({1: Dim("s", max=64)}, None),
+     "merges dynamic dimensions"),
+    (_SelectMerged(), (torch.randn(2, 8),), ({1: Dim("s", max=64)},), "merges dynamic ones"),
+    (_MixedLayouts(), (torch.randn(2, 8),), ({1: Dim("s", max=64)},), "laid out differently"),
+    (_NonzeroMerged(), (torch.randn(2, 8),), ({1: Dim("s", max=64)},), "merges dynamic"),
+    (_DynamicOffset(), (torch.randn(5, 4), torch.randn(1, 4)), ({0: Dim("p", max=100)}, None),
+     "dynamic offset"),
+], ids=["gather_merged", "select_merged", "mixed_layouts", "nonzero_merged", "dynamic_offset"])
+def test_layout_dependent_patterns_are_refused(model, args, shapes, message, tmp_path):
+    with pytest.raises(LoweringError, match=message):
+        grace_compile(model, args, output=tmp_path / "m.grace", progress=False,
+                      dynamic_shapes=shapes)
+
+
+def test_a_view_regrouping_static_dims_next_to_a_dynamic_one():
+    seq = ((32, S),)
+    # [S, 6, 4] -> [S, 4, 6]: the static run 24 regroups freely
+    assert shapes.regroup((32, 6, 4), (seq, None, None), (32, 4, 6)) == (seq, None, None)

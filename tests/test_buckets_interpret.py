@@ -184,3 +184,60 @@ def test_split_k_gemm_with_dynamic_rows(tmp_path):
     with torch.no_grad():
         for c, x in inputs.items():
             assert rel_err(results[c]["out"], model.double()(x.double()).numpy()) < 1e-5, c
+
+
+class _NegativeIndex(torch.nn.Module):
+    def forward(self, x):
+        return x[:, torch.tensor([-1, 0, -3])] * 2
+
+
+class _SizedArange(torch.nn.Module):
+    """Position ids that start after a cache: arange(P, P + S)."""
+
+    def forward(self, cache, x):
+        p, s = cache.shape[0], x.shape[0]
+        return x + torch.arange(p, p + s)[:, None].float() + torch.arange(s - 1, -1, -1)[:, None]
+
+
+class _SquaredSize(torch.nn.Module):
+    def forward(self, x):
+        return (x @ x.T).mean() + x
+
+
+class _MaskTwice(torch.nn.Module):
+    def forward(self, x, y, m):
+        return x[m] + y[m]
+
+
+@pytest.mark.parametrize("model, make, shapes", [
+    (_NegativeIndex(), lambda n: (torch.randn(3, n),), ({1: Dim("s", min=3, max=64)},)),
+    (_SizedArange(), lambda n: (torch.randn(n + 2, 4), torch.randn(n, 4)),
+     ({0: Dim("p", min=1, max=80)}, {0: Dim("s", min=1, max=64)})),
+    (_SquaredSize(), lambda n: (torch.randn(n, 8),), ({0: Dim("s", min=1, max=64)},)),
+    (_MaskTwice(), lambda n: (torch.randn(n, 3), torch.randn(n, 3), torch.rand(n) > 0.5),
+     ({0: Dim("s", min=2, max=64)}, {0: Dim("s", min=2, max=64)}, {0: Dim("s", min=2, max=64)})),
+], ids=["negative_index", "sized_arange", "squared_size", "mask_twice"])
+def test_sizes_used_as_values(model, make, shapes, tmp_path):
+    """Sizes that become data (an index wrapped by the true size, arange bounds, a mean over S²)
+    are read on the device, so non-bucket sizes give exact results."""
+    path = grace_compile(model, make(17), output=tmp_path / "m.grace", progress=False,
+                         fp32_matmul="ieee", dynamic_shapes=shapes)
+    names = model.forward.__code__.co_varnames[1:model.forward.__code__.co_argcount]
+    trials = {f"n{n}": make(n) for n in (5, 17, 40)}
+    results = run_cases(path, {t: {k: a.numpy() for k, a in zip(names, args)}
+                               for t, args in trials.items()}, tmp_path)
+    for t, args in trials.items():
+        ref = model(*args).numpy()
+        got = results[t]["out"]
+        assert got.shape == ref.shape, t
+        assert np.allclose(got, ref, rtol=1e-5, atol=1e-5), t
+
+
+def test_item_beyond_its_checked_range_is_clamped_not_read_past(tmp_path):
+    """torch raises when n.item() breaks its torch._check; grace clamps n on the device to the
+    sliced tensor's size instead of reading past it."""
+    path = grace_compile(Prefix(), (torch.randn(12, 4), torch.tensor(3)),
+                         output=tmp_path / "m.grace", progress=False)
+    x = torch.randn(12, 4)
+    results = run_cases(path, {"over": {"x": x.numpy(), "n": np.array(40)}}, tmp_path)
+    assert np.allclose(results["over"]["out"], (x + 1).numpy())
