@@ -56,22 +56,6 @@ def source_line(node: torch.fx.Node) -> str:
     return f"{lines[i]}: {code}".rstrip(": ")
 
 
-# The bucket being lowered: symbol -> bound. Sizes in node metadata are evaluated at it.
-_BUCKET: dict = {}
-
-
-def size_of(size) -> int:
-    """A size from node metadata (int or SymInt) at the current bucket's bounds."""
-    expr = sym_expr(size)
-    return int(size) if expr is None else shapes.evaluate(expr, _BUCKET)
-
-
-def entry_of(size):
-    """The extent of one dimension from node metadata: None (static) or one factor."""
-    expr = sym_expr(size)
-    return None if expr is None else shapes.simple(shapes.evaluate(expr, _BUCKET), expr)
-
-
 class Lowering:
     """Walks the graph once; holds the kernels emitted so far.
 
@@ -98,6 +82,25 @@ class Lowering:
         self.node: torch.fx.Node | None = None
         self.folded: dict = {}
         self.sizes: dict = {}
+
+    # ---- sizes at this bucket -----------------------------------------------------------------
+    def size_of(self, size) -> int:
+        """A size from node metadata (int or SymInt) at this bucket's bounds."""
+        expr = sym_expr(size)
+        return int(size) if expr is None else shapes.evaluate(expr, self.bucket)
+
+    def entry_of(self, size):
+        """The extent of one dimension from node metadata: None (static) or one factor."""
+        expr = sym_expr(size)
+        return None if expr is None else shapes.simple(shapes.evaluate(expr, self.bucket), expr)
+
+    def out_meta(self, node):
+        """A node's result shape at this bucket, and its dtype."""
+        val = node.meta["val"]
+        return tuple(self.size_of(s) for s in val.shape), dtype_name(val.dtype)
+
+    def out_ext(self, node):
+        return tuple(self.entry_of(s) for s in node.meta["val"].shape)
 
     # ---- buffers and kernels ----------------------------------------------------------------
     def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None) -> Buffer:
@@ -140,25 +143,20 @@ class Lowering:
         graph = self.program.graph_module.graph
         self.folded = fold_constants(graph, specs, state)
         folded = self.folded
-        global _BUCKET
-        _BUCKET = self.bucket
-        try:
-            for node in graph.nodes:
-                self.node = node
-                if node in folded:
-                    self.env[node] = self.constant(node, folded[node])
-                elif node.op == "placeholder":
-                    self.env[node] = self.placeholder(node, specs[node.name], state)
-                elif node.op == "call_function" and _is_size_arithmetic(node):
-                    val = node.meta["val"]
-                    self.env[node] = (SymSize(size_of(val), val.node.expr)
-                                      if isinstance(val, torch.SymInt) else None)
-                elif node.op == "call_function":
-                    self.env[node] = self.call(node)
-                elif node.op == "output":
-                    self.output(node, sig)
-        finally:
-            _BUCKET = {}
+        for node in graph.nodes:
+            self.node = node
+            if node in folded:
+                self.env[node] = self.constant(node, folded[node])
+            elif node.op == "placeholder":
+                self.env[node] = self.placeholder(node, specs[node.name], state)
+            elif node.op == "call_function" and _is_size_arithmetic(node):
+                val = node.meta["val"]
+                self.env[node] = (SymSize(self.size_of(val), val.node.expr)
+                                  if isinstance(val, torch.SymInt) else None)
+            elif node.op == "call_function":
+                self.env[node] = self.call(node)
+            elif node.op == "output":
+                self.output(node, sig)
         return Program(self.kernels, self.inputs, self.outputs, self.weights, self.weight_data,
                        self.name, self.sizes, dict(self.bucket))
 
@@ -183,8 +181,8 @@ class Lowering:
             if not isinstance(val, torch.Tensor):
                 raise LoweringError(f"input '{node.name}' is not a tensor ({type(val).__name__}); "
                                     "only tensor inputs are supported")
-            ext = tuple(entry_of(d) for d in val.shape)
-            buf = self.new_buffer([size_of(d) for d in val.shape], dtype_name(val.dtype), "input",
+            ext = tuple(self.entry_of(d) for d in val.shape)
+            buf = self.new_buffer([self.size_of(d) for d in val.shape], dtype_name(val.dtype), "input",
                                   node.name)
             buf.dynamic = tuple(e is not None for e in ext) if any(ext) else ()
             self.sizes[buf.name] = tuple(val.shape)
@@ -263,7 +261,7 @@ class Lowering:
                     "this op combines tensors whose dimensions of the same dynamic size are laid "
                     "out differently (one merges several dynamic dimensions by a reshape, the "
                     "other does not); reshape after the op instead")
-            ext = [None if m is None else known.get(m) or shapes.simple(size_of(d), m)
+            ext = [None if m is None else known.get(m) or shapes.simple(self.size_of(d), m)
                    for m, d in zip(metas, val.shape)]
             return TV(value.expr, value.shape, ext)
         for d, (m, e) in enumerate(zip(metas, value.exts())):
@@ -355,14 +353,6 @@ def lower(program: ExportedProgram, name: str = "model", options: dict | None = 
 
 
 # ---- helpers shared by the op handlers -------------------------------------------------------
-def out_meta(node):
-    val = node.meta["val"]
-    return tuple(size_of(s) for s in val.shape), dtype_name(val.dtype)
-
-
-def out_ext(node, index=None):
-    val = node.meta["val"] if index is None else node.meta["val"][index]
-    return tuple(entry_of(s) for s in val.shape)
 
 
 def as_operand(x, shape, dtype: str):

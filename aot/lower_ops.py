@@ -15,7 +15,7 @@ import torch
 from . import shapes, views
 from .codegen import gemm_plan
 from .ir import EXTENTS, Acc, Const, DimMap, Index, Kernel, Load, Op, Reindex, SymValue, numel
-from .lower import LoweringError, as_operand, dtype_name, handles, out_ext, out_meta, size_of
+from .lower import LoweringError, as_operand, dtype_name, handles
 from .shapes import sym_expr
 from .views import TV
 
@@ -23,7 +23,7 @@ aten = torch.ops.aten
 
 
 def _pointwise(L, node, op, *xs, param=None, in_dtype=None):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     args = [as_operand(x, shape, in_dtype or dtype) for x in xs]
     return TV(Op(op, args, dtype, param), shape)
 
@@ -72,7 +72,7 @@ for _op, _name in COMPARE.items():
 
 @handles(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar)
 def _add_sub(L, node, a, b, alpha=1):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     name = "add" if node.target in (aten.add.Tensor, aten.add.Scalar) else "sub"
     if node.target == aten.rsub.Scalar:
         a, b = b, a
@@ -84,7 +84,7 @@ def _add_sub(L, node, a, b, alpha=1):
 
 @handles(aten.div.Tensor_mode)
 def _div_mode(L, node, a, b, rounding_mode=None):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     q = Op("div", [as_operand(a, shape, "float32"), as_operand(b, shape, "float32")], "float32")
     if rounding_mode == "floor":
         q = Op("floor", [q], "float32")
@@ -122,7 +122,7 @@ def _gelu(L, node, x, approximate="none"):
 
 @handles(aten.clamp.default, aten.clamp.Tensor, aten.hardtanh.default)
 def _clamp(L, node, x, lo=None, hi=None):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     expr = as_operand(x, shape, dtype)
     if lo is not None:
         expr = Op("maximum", [expr, as_operand(lo, shape, dtype)], dtype)
@@ -133,7 +133,7 @@ def _clamp(L, node, x, lo=None, hi=None):
 
 @handles(aten.leaky_relu.default)
 def _leaky_relu(L, node, x, slope=0.01):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     e = as_operand(x, shape, dtype)
     cond = Op("gt", [e, Const(0.0, dtype)], "bool")
     return TV(Op("where", [cond, e, Op("mul", [e, Const(slope, dtype)], dtype)], dtype), shape)
@@ -141,14 +141,14 @@ def _leaky_relu(L, node, x, slope=0.01):
 
 @handles(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 def _where(L, node, cond, a, b):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     return TV(Op("where", [as_operand(cond, shape, "bool"), as_operand(a, shape, dtype),
                            as_operand(b, shape, dtype)], dtype), shape)
 
 
 @handles(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 def _masked_fill(L, node, x, mask, value):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     return TV(Op("where", [as_operand(mask, shape, "bool"), as_operand(value, shape, dtype),
                            as_operand(x, shape, dtype)], dtype), shape)
 
@@ -156,7 +156,7 @@ def _masked_fill(L, node, x, mask, value):
 @handles(aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
          aten.lift_fresh_copy.default, aten.contiguous.default, aten.copy.default)
 def _copy(L, node, x, *rest, **kwargs):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     if node.target == aten.copy.default:  # copy(dst, src): the value of src in dst's shape/dtype
         x = rest[0]
     return TV(as_operand(x, shape, dtype), shape)
@@ -168,7 +168,7 @@ def _copy(L, node, x, *rest, **kwargs):
          aten.empty.memory_format, aten.empty_like.default, aten.new_zeros.default,
          aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
 def _full(L, node, *args, **kwargs):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     t = node.target
     if t in (aten.full.default, aten.full_like.default):
         value = args[1]
@@ -185,7 +185,7 @@ def _full(L, node, *args, **kwargs):
 
 @handles(aten.arange.start_step, aten.arange.default, aten.arange.start)
 def _arange(L, node, *args, **kwargs):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     if node.target == aten.arange.default:
         start, step = 0, 1
     else:
@@ -201,7 +201,7 @@ def _arange(L, node, *args, **kwargs):
 # ---- views -----------------------------------------------------------------------------------
 @handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(L, node, x, shape):
-    return views.view(x, out_meta(node)[0])
+    return views.view(x, L.out_meta(node)[0])
 
 
 @handles(aten.permute.default)
@@ -224,7 +224,7 @@ def _t(L, node, x):
 
 @handles(aten.expand.default, aten.expand_copy.default)
 def _expand(L, node, x, shape, implicit=False):
-    return views.expand(x, out_meta(node)[0], ext=out_ext(node))
+    return views.expand(x, L.out_meta(node)[0], ext=L.out_ext(node))
 
 
 @handles(aten.slice.Tensor, aten.slice_copy.Tensor)
@@ -235,7 +235,7 @@ def _slice(L, node, x, dim=0, start=None, end=None, step=1):
                             "supported: the offset is only known on the device")
     if sym_expr(end) is not None:
         _tighten_item_bound(L, end, x.shape[dim] - (start or 0))
-    entry = out_ext(node)[dim]
+    entry = L.out_ext(node)[dim]
     if entry is None and x.dim_ext(dim) is None:
         return views.slice_(x, dim, start, end, step)
     if sym_expr(start) is not None or (isinstance(start, int) and start < 0) or step != 1:
@@ -294,14 +294,14 @@ def _unbind(L, node, x, dim=0):
 
 @handles(aten.cat.default)
 def _cat(L, node, tensors, dim=0):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     tensors = [t for t in tensors if numel(t.shape) > 0 or len(t.shape) == len(shape)]
     return views.cat(tensors, dim, dtype)
 
 
 @handles(aten.stack.default)
 def _stack(L, node, tensors, dim=0):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     dim %= len(shape)
     return views.cat([views.unsqueeze(t, dim) for t in tensors], dim, dtype)
 
@@ -345,7 +345,7 @@ def _index_expr(idx: TV, x: TV, dim: int) -> object:
 
 @handles(aten.embedding.default)
 def _embedding(L, node, weight, indices, padding_idx=-1, *rest):
-    shape, _ = out_meta(node)
+    shape, _ = L.out_meta(node)
     n = len(indices.shape)
     idx = TV(_index_expr(indices, weight, 0), indices.shape)
     idx_in_out = views.remap(idx.expr, [DimMap("dim", d) for d in range(n)], n + 1)
@@ -419,7 +419,7 @@ def _index(L, node, x, indices):
     k, m = dims[0], len(dims)
     if any(indices[d].dtype == "bool" for d in dims):
         return _select_by_mask(L, node, x, k, [indices[d] for d in dims])
-    shape, _ = out_meta(node)
+    shape, _ = L.out_meta(node)
     bshape = tuple(torch.broadcast_shapes(*[indices[d].shape for d in dims]))
     nb = len(bshape)
     maps = []
@@ -446,7 +446,7 @@ def _select_by_mask(L, node, x: TV, k: int, masks) -> TV:
     if tuple(x.shape[k:k + nd]) != tuple(mask.shape):
         raise LoweringError("a boolean mask must have the shape of the dimensions it selects")
     idx = _compact(L, node, mask)
-    shape, _ = out_meta(node)
+    shape, _ = L.out_meta(node)
     idx_buf = idx.expr.buf
     maps = [DimMap("dim", d) for d in range(k)]
     for j in range(nd):
@@ -466,7 +466,7 @@ def _index_select(L, node, x, dim, index):
 
 @handles(aten.gather.default)
 def _gather(L, node, x, dim, index, sparse_grad=False):
-    shape, _ = out_meta(node)
+    shape, _ = L.out_meta(node)
     dim %= len(x.shape)
     maps = [DimMap("dim", d) for d in range(len(x.shape))]
     maps[dim] = DimMap("expr", expr=_index_expr(index, x, dim))
@@ -522,13 +522,13 @@ def _dims_arg(dims):
 
 @handles(aten.sum.dim_IntList, aten.sum.default)
 def _sum(L, node, x, dims=None, keepdim=False, dtype=None):
-    shape, out_dtype = out_meta(node)
+    shape, out_dtype = L.out_meta(node)
     return _reduce(L, x, _dims_arg(dims), "sum", keepdim, out_dtype)
 
 
 @handles(aten.mean.dim, aten.mean.default)
 def _mean(L, node, x, dims=None, keepdim=False, dtype=None):
-    shape, out_dtype = out_meta(node)
+    shape, out_dtype = L.out_meta(node)
     dims = _dims_arg(dims)
     count = _count(x, [d % len(x.shape) for d in dims] if dims else range(len(x.shape)))
     return _reduce(L, x, dims, "sum", keepdim, out_dtype, divisor=count)
@@ -536,7 +536,7 @@ def _mean(L, node, x, dims=None, keepdim=False, dtype=None):
 
 @handles(aten.amax.default, aten.amin.default)
 def _amax(L, node, x, dims=(), keepdim=False):
-    shape, out_dtype = out_meta(node)
+    shape, out_dtype = L.out_meta(node)
     op = "max" if node.target == aten.amax.default else "min"
     return _reduce(L, x, _dims_arg(dims) or None, op, keepdim, out_dtype)
 
@@ -567,7 +567,7 @@ def _var(L, node, x, dims=None, correction=None, keepdim=False):
 
 @handles(aten._softmax.default, aten._log_softmax.default)
 def _softmax(L, node, x, dim, half_to_float=False):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     nd = len(x.shape)
     dim %= max(nd, 1)
     if nd == 0:
@@ -585,7 +585,7 @@ def _softmax(L, node, x, dim, half_to_float=False):
 @handles(aten.native_layer_norm.default)
 def _layer_norm(L, node, x, normalized_shape, weight, bias, eps):
     val = node.meta["val"][0]
-    shape, dtype = tuple(size_of(s) for s in val.shape), dtype_name(val.dtype)
+    shape, dtype = tuple(L.size_of(s) for s in val.shape), dtype_name(val.dtype)
     n = numel(normalized_shape)
     rows = numel(x.shape) // max(n, 1)
     if any(x.dim_ext(d) is not None for d in range(len(x.shape) - len(normalized_shape), len(x.shape))):
@@ -604,7 +604,7 @@ def _layer_norm(L, node, x, normalized_shape, weight, bias, eps):
 
 # ---- contractions ----------------------------------------------------------------------------
 def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     if len(a.shape) == 2:
         a, b = views.unsqueeze(a, 0), views.unsqueeze(b, 0)
     a, b = L.operand(a), L.operand(b)
@@ -645,7 +645,7 @@ def _mm(L, node, a, b):
 
 @handles(aten.addmm.default)
 def _addmm(L, node, bias, a, b, beta=1, alpha=1):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
 
     def epilogue(acc, out_shape):
         bias_e = views.unsqueeze(views.expand(bias, shape), 0).expr
@@ -663,7 +663,7 @@ def _addmm(L, node, bias, a, b, beta=1, alpha=1):
 def _convolution(L, node, x, w, bias, stride, padding, dilation, transposed, output_padding,
                  groups):
     """2-D convolution as im2col + GEMM (bias fused into the GEMM's epilogue)."""
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     if transposed or groups != 1 or len(x.shape) != 4:
         raise LoweringError("only 2-D, non-transposed, groups=1 convolutions are supported")
     if x.ext is not None:
@@ -702,7 +702,7 @@ class _FakeNode:
 @handles(aten.scaled_dot_product_attention.default)
 def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
-    shape, dtype = out_meta(node)
+    shape, dtype = L.out_meta(node)
     if dropout_p:
         raise LoweringError("attention dropout is not supported (export the model in eval mode)")
     # [..., L, E] -> [B, H, L, E]: leading dims fold into B (rank > 4) or gain a unit B (rank 3)
