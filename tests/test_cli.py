@@ -380,3 +380,21 @@ def test_compile_unknown_bucket_name_one_line(dyn_mlp_pt2, tmp_path):
                                 "--buckets", "nope=4,8"))
     assert "nope" in err
     assert not (tmp_path / "dyn.grace").exists()
+
+
+def test_bench_inputs_follow_the_size_symbols():
+    """`grace bench` makes random inputs for packages with shape buckets: symbols at their maximum
+    by default, --size NAME=VALUE to pick a bucket; bad names and out-of-range values are one-line
+    errors."""
+    from grace.tools.cli import CliError, _random_inputs, _symbol_sizes
+
+    manifest = {"symbols": [{"name": "seq", "kind": "input", "min": 1, "max": 512,
+                             "sources": [[0, 1]]}],
+                "inputs": [{"name": "ids", "dtype": "int64", "shape": [1, "seq"], "slot": 0}]}
+    assert _random_inputs(manifest)["ids"].shape == (1, 512)
+    sizes = _symbol_sizes(manifest, ["seq=129"])
+    assert _random_inputs(manifest, sizes=sizes)["ids"].shape == (1, 129)
+    with pytest.raises(CliError, match="size symbols are: seq"):
+        _symbol_sizes(manifest, ["len=3"])
+    with pytest.raises(CliError, match=r"\[1, 512\]"):
+        _symbol_sizes(manifest, ["seq=600"])

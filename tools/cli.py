@@ -335,13 +335,32 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _random_inputs(manifest, seed: int = 0) -> dict:
+def _symbol_sizes(manifest, pairs) -> dict:
+    """Values for a package's input symbols: NAME=VALUE pairs, the others at their maximum."""
+    symbols = {s["name"]: s for s in manifest.get("symbols", []) or [] if s.get("kind") == "input"}
+    sizes = {name: s["max"] for name, s in symbols.items()}
+    for pair in pairs or []:
+        name, _, value = pair.partition("=")
+        if name not in symbols:
+            raise CliError(f"--size {pair!r}: the package's size symbols are: "
+                           f"{', '.join(symbols) or 'none'}")
+        if not value.isdigit() or not symbols[name]["min"] <= int(value) <= symbols[name]["max"]:
+            raise CliError(f"--size {pair!r}: expected an integer in "
+                           f"[{symbols[name]['min']}, {symbols[name]['max']}]")
+        sizes[name] = int(value)
+    return sizes
+
+
+def _random_inputs(manifest, seed: int = 0, sizes: dict | None = None) -> dict:
+    """Random inputs of the package's dtypes and shapes (size symbols at `sizes`)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
+    sizes = sizes if sizes is not None else _symbol_sizes(manifest, [])
     out = {}
     for s in manifest.get("inputs", []) or []:
-        dtype, shape = s["dtype"], tuple(int(d) for d in s["shape"])
+        dtype = s["dtype"]
+        shape = tuple(sizes[d] if isinstance(d, str) else int(d) for d in s["shape"])
         if dtype in ("float32", "float16", "float64"):
             out[s["name"]] = rng.standard_normal(shape).astype(dtype)
         elif dtype == "bfloat16":
@@ -362,7 +381,7 @@ def cmd_bench(args) -> int:
     if args.iters < 1 or args.warmup < 0:
         raise CliError("--iters must be >= 1 and --warmup >= 0")
     pkg = _read(args.package, verify=True)
-    inputs = _random_inputs(pkg.manifest)
+    inputs = _random_inputs(pkg.manifest, sizes=_symbol_sizes(pkg.manifest, args.size))
     rt = _runtime()
     try:
         loaded = rt.load(args.package, device=args.device)
@@ -515,13 +534,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time run() + sync on random inputs of the package's shapes/dtypes (numpy inputs, so the "
         "host-to-device copy is included). Prints median/p10/p90 ms per call, and the median host time of "
         "run() alone (without sync). GPU only.",
-        epilog="examples:\n  grace bench model.grace\n  grace bench model.grace --iters 1000 --warmup 50\n",
+        epilog="examples:\n  grace bench model.grace\n  grace bench model.grace --iters 1000 --warmup 50\n"
+        "  grace bench bert.grace --size seq=129     (a package with shape buckets)\n",
         formatter_class=_Formatter,
     )
     b.add_argument("package", metavar="MODEL.grace")
     b.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
     b.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
     b.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    b.add_argument("--size", action="append", default=[], metavar="NAME=VALUE",
+                   help="value of a size symbol (repeatable; default: each at its maximum, which "
+                   "runs the largest bucket)")
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser(
