@@ -83,6 +83,12 @@ def _exit_outer(w: Writer, shape, ext, first_flat: str):
         _exit_beyond(w, ext[outer], f"{first_flat} // {numel(shape[outer + 1:])}")
 
 
+def _and_into(w: Writer, var: str, cond: str | None):
+    """`var &= cond`, when there is a condition."""
+    if cond:
+        w.emit(f"{var} = {var} & {cond}")
+
+
 def _dim_valid(w: Writer, entry, idx: str) -> str | None:
     terms = factor_terms(w, entry, idx) if entry is not None else []
     return " & ".join(terms) if terms else None
@@ -125,9 +131,7 @@ def reduction(kernel: Kernel, w: Writer):
     w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
     w.emit(f"rmask = rows < {rows}")
     kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
-    rvalid = kept_ctx.valid([src_ext[d] for d in kept])
-    if rvalid:
-        w.emit(f"rmask = rmask & {rvalid}")
+    _and_into(w, "rmask", kept_ctx.valid([src_ext[d] for d in kept]))
     w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
     w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})")
     w.emit(f"for start in range(0, {cols}, {bn}):")
@@ -135,9 +139,7 @@ def reduction(kernel: Kernel, w: Writer):
     w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
     w.emit(f"mask = rmask & (cols < {cols})")
     red_ctx = Ctx(w, [src_shape[d] for d in rdims], linear="cols")
-    cvalid = red_ctx.valid([src_ext[d] for d in rdims])
-    if cvalid:
-        w.emit(f"mask = mask & {cvalid}")
+    _and_into(w, "mask", red_ctx.valid([src_ext[d] for d in rdims]))
     dims = [None] * len(src_shape)
     for i, d in enumerate(kept):
         dims[d] = kept_ctx.dim(i)
@@ -156,9 +158,7 @@ def reduction(kernel: Kernel, w: Writer):
     w.emit(f"omask = orow < {rows}")
     w.emit(f"ozero = tl.zeros([{br}], tl.int32)")
     out_ctx = Ctx(w, kernel.out_shape, linear="orow", mask="omask", zero="ozero")
-    ovalid = out_ctx.valid(kernel.ext)
-    if ovalid:
-        w.emit(f"omask = omask & {ovalid}")
+    _and_into(w, "omask", out_ctx.valid(kernel.ext))
     value = ExprEmitter(w, acc="red").value(kernel.epilogue, out_ctx)
     _store(w, kernel, value, out_ctx, f"[{br}]")
     return (cdiv(rows, br), 1, 1), 4, 1
@@ -174,9 +174,7 @@ def _row_setup(kernel: Kernel, w: Writer, shape):
     _exit_outer(w, shape[:-1], ext[:-1], f"tl.program_id(0) * {br}")
     w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
     w.emit(f"rmask = rows < {rows}")
-    rvalid = Ctx(w, shape[:-1], linear="rows").valid(ext[:-1])
-    if rvalid:
-        w.emit(f"rmask = rmask & {rvalid}")
+    _and_into(w, "rmask", Ctx(w, shape[:-1], linear="rows").valid(ext[:-1]))
     w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
     return rows, cols, br, bn
 
@@ -191,9 +189,7 @@ def _row_loop(w: Writer, cols, bn, col_entry=None):
     w.indent += 1
     w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
     w.emit(f"mask = rmask & (cols < {cols})")
-    cvalid = _dim_valid(w, col_entry, "cols")
-    if cvalid:
-        w.emit(f"mask = mask & {cvalid}")
+    _and_into(w, "mask", _dim_valid(w, col_entry, "cols"))
 
 
 def softmax(kernel: Kernel, w: Writer):
@@ -452,8 +448,7 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"s = tl.dot(q, kt{prec}) * {p['scale']!r}")
     w.emit(f"valid = (rn[None, :] < {lk}) & (rm[:, None] >= 0)")
     kvalid = _dim_valid(w, lk_ext, "rn[None, :]")
-    if kvalid:
-        w.emit(f"valid = valid & {kvalid}")
+    _and_into(w, "valid", kvalid)
     if p["causal"]:
         w.emit("valid = valid & (rn[None, :] <= rm[:, None])")
     if "mask" in p:
@@ -535,8 +530,9 @@ def _store_extent(w: Writer, symbol, value: str):
     w.emit(f"tl.store({ext} + {w.symbols[symbol]}, {value})")
 
 
-TEMPLATES = {"compact": compact, "to_extent": to_extent, "pointwise": pointwise, "reduction": reduction, "softmax": softmax,
-             "layer_norm": layer_norm, "matmul": matmul, "attention": attention}
+TEMPLATES = {"pointwise": pointwise, "reduction": reduction, "softmax": softmax,
+             "layer_norm": layer_norm, "matmul": matmul, "attention": attention,
+             "compact": compact, "to_extent": to_extent}
 
 
 def table_writer_source(slots: list[dict], extents: dict | None = None) -> KernelSource:

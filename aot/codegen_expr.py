@@ -14,6 +14,7 @@ import sympy
 
 from .ir import (EXTENTS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape, SymValue,
                  compute_dtype, contiguous_strides, is_contiguous, numel)
+from .shapes import is_static_size
 
 TL_TYPE = {
     "float64": "tl.float64", "float32": "tl.float32", "float16": "tl.float16",
@@ -177,7 +178,7 @@ def factor_terms(w: Writer, entry, idx: str) -> list[str]:
     each factor's digit is below its true size."""
     terms = []
     for j, (bucket, true) in enumerate(entry):
-        if sympy.sympify(true).is_number:
+        if is_static_size(true):
             continue
         inner = math.prod(b for b, _ in entry[j + 1:])
         digit = idx if inner == 1 else f"({idx} // {inner})"

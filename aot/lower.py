@@ -69,9 +69,10 @@ class Lowering:
         self.name = name
         self.options = {**DEFAULT_OPTIONS, **(options or {})}
         self.bucket = dict(bucket or {})
-        self.input_symbols = set(self.bucket)
+        # sizes computed on the device (nonzero, .item()): every symbol that is not an input's
+        self.data_symbols = set(program.range_constraints) - set(self.bucket)
         self.item_kernels: dict = {}     # data symbol -> the kernel that writes it (.item())
-        self.dynamic = bool(self.bucket) or bool(program.range_constraints)
+        self.dynamic = bool(program.range_constraints)
         self.kernels: list[Kernel] = []
         self.inputs: list[Buffer] = []
         self.outputs: list[Buffer] = []
@@ -165,10 +166,9 @@ class Lowering:
         device), with its bound in this bucket."""
         val = node.meta["val"]
         sizes = [val] if isinstance(val, torch.SymInt) else list(val.shape)
-        data = set(self.program.range_constraints) - self.input_symbols
         for size in sizes:
             expr = sym_expr(size)
-            if expr is not None and expr.is_Symbol and expr in data:
+            if expr is not None and expr.is_Symbol and expr in self.data_symbols:
                 # torch reuses the symbol when it proves two sizes equal (the same mask used
                 # twice): the second kernel writes the same value again
                 self.bucket[expr] = min(self.bucket.get(expr, int(bound)), int(bound))
@@ -285,8 +285,7 @@ class Lowering:
             if buf.dynamic and any(len(e) > 1 for e in tv.ext if e is not None):
                 raise LoweringError(f"output {i} has a merged dynamic dimension; return it with "
                                     "each dynamic dimension separate")
-            data = set(self.program.range_constraints) - self.input_symbols
-            if any(e is not None and shapes.true_size(e, 0).free_symbols & data
+            if any(e is not None and shapes.true_size(e, 0).free_symbols & self.data_symbols
                    for e in tv.exts()[1:]):
                 raise LoweringError(f"output {i} has a data-dependent size in a dimension other "
                                     "than the first; the host could not know its strides")

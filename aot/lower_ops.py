@@ -238,7 +238,7 @@ def _slice(L, node, x, dim=0, start=None, end=None, step=1):
     entry = L.out_ext(node)[dim]
     if entry is None and x.dim_ext(dim) is None:
         return views.slice_(x, dim, start, end, step)
-    if sym_expr(start) is not None or (isinstance(start, int) and start < 0) or step != 1:
+    if (start or 0) < 0 or step != 1:
         raise LoweringError("slicing a dynamic dimension needs a static start >= 0 and step 1")
     inner = x.dim_ext(dim)
     if inner is not None and len(inner) > 1 and entry != inner:
@@ -588,7 +588,7 @@ def _layer_norm(L, node, x, normalized_shape, weight, bias, eps):
     shape, dtype = tuple(L.size_of(s) for s in val.shape), dtype_name(val.dtype)
     n = numel(normalized_shape)
     rows = numel(x.shape) // max(n, 1)
-    if any(x.dim_ext(d) is not None for d in range(len(x.shape) - len(normalized_shape), len(x.shape))):
+    if any(e is not None for e in x.exts()[len(x.shape) - len(normalized_shape):]):
         raise LoweringError("layer norm over a dynamic dimension is not supported")
     src = views.view(x, (rows, n))
     inputs = {"src": src.expr, "eps": float(eps)}
@@ -629,8 +629,7 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
     # split-K: fp32 partial sums [split, batch, m, n], then a reduction that applies the epilogue
     partial = L.new_buffer((split, batch, m, n), "float32")
     sums = L.emit(Kernel("matmul", partial, (split * batch, m, n), Acc("float32"), inputs,
-                         ext=ext))
-    sums = views.view(sums, (split, batch, m, n))
+                         ext=ext))   # read back as the partial buffer: [split, batch, m, n]
     L.emit(Kernel("reduction", buf, out_shape, epilogue,
                   {"src": sums.expr, "src_shape": (split, batch, m, n), "rdims": (0,),
                    "op": "sum", "acc_dtype": "float32", "src_ext": sums.ext}, ext=ext))

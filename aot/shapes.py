@@ -49,6 +49,11 @@ def sym_expr(value) -> sympy.Expr | None:
     return None
 
 
+def is_static_size(true) -> bool:
+    """A factor's true size is a plain number (not a size expression)."""
+    return sympy.sympify(true).is_number
+
+
 def true_size(entry, bucket: int):
     """The true size of a dimension (sympy expression or int)."""
     if entry is None:
@@ -67,7 +72,7 @@ def is_prefix(entry) -> bool:
     """Valid indices form a prefix [0, true): one dynamic factor, outermost, static below it."""
     if entry is None:
         return True
-    dyn = [i for i, (_, t) in enumerate(entry) if not sympy.sympify(t).is_number]
+    dyn = [i for i, (_, t) in enumerate(entry) if not is_static_size(t)]
     return dyn == [0] or not dyn
 
 
@@ -84,8 +89,7 @@ def regroup(in_shape, in_ext, out_shape) -> tuple:
     queue: list[list] = []
     for size, entry in zip(in_shape, in_ext):
         for b, t in factors(entry, size):
-            static = sympy.sympify(t).is_number
-            if static and queue and sympy.sympify(queue[-1][1]).is_number:
+            if is_static_size(t) and queue and is_static_size(queue[-1][1]):
                 queue[-1] = [queue[-1][0] * b, queue[-1][0] * b]   # adjacent static factors merge
             else:
                 queue.append([b, t])
@@ -99,7 +103,7 @@ def regroup(in_shape, in_ext, out_shape) -> tuple:
             if not queue:
                 raise ShapeError(f"cannot view {list(in_shape)} as {list(out_shape)}")
             b, t = queue[0]
-            dynamic = not sympy.sympify(t).is_number
+            dynamic = not is_static_size(t)
             if b <= need and need % b == 0:
                 got.append((b, t))
                 queue.pop(0)
@@ -115,9 +119,8 @@ def regroup(in_shape, in_ext, out_shape) -> tuple:
             else:
                 raise ShapeError(f"cannot view {list(in_shape)} as {list(out_shape)} across a "
                                  "dynamic dimension")
-        dynamic = [f for f in got if not sympy.sympify(f[1]).is_number]
-        out.append(tuple(got) if dynamic else None)
-    if any(not sympy.sympify(t).is_number or b != 1 for b, t in queue):
+        out.append(tuple(got) if any(not is_static_size(t) for _, t in got) else None)
+    if any(not is_static_size(t) or b != 1 for b, t in queue):
         raise ShapeError(f"cannot view {list(in_shape)} as {list(out_shape)}")
     return tuple(out)
 

@@ -25,14 +25,13 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
 
     from grace.runtime import load
+    from grace.tools.cli import CliError, _symbol_sizes
     pkg = load(args.package)
     sess = pkg.session()
-    sizes = {s["name"]: s["max"] for s in pkg.manifest.get("symbols", []) if s["kind"] == "input"}
-    for item in args.size:
-        name, _, value = item.partition("=")
-        if name not in sizes or not value.isdigit():
-            ap.error(f"--size {item!r}: expected NAME=VALUE with NAME one of {', '.join(sizes) or 'none'}")
-        sizes[name] = int(value)
+    try:
+        sizes = _symbol_sizes(pkg.manifest, args.size)
+    except CliError as e:
+        ap.error(str(e))
     inputs = {}
     for spec in pkg.manifest["inputs"]:
         shape = [sizes[d] if isinstance(d, str) else d for d in spec["shape"]]
