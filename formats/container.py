@@ -32,9 +32,12 @@ from typing import NamedTuple
 from .errors import BadMagicError, ChecksumError, FormatError, TruncatedError, UnsupportedVersionError
 
 MAGIC = b"GRACE\0PK"
-# 2.0: shape buckets (symbols, shape expressions, table extents, one graph per bucket). A major
-# bump because a 1.x reader would silently mis-size the table and ignore the extra graphs.
-FORMAT_VERSION = (2, 0)
+# 2.0: shape buckets (symbols, shape expressions, table extents, one graph per bucket); a 1.x
+# reader would silently mis-size the table and ignore the extra graphs.
+# 3.0: session state and token generation (docs/design-state.md): a new region kind `state`, node
+# arguments that point into it, the `state` section and the `generate` map. A major bump because a
+# 2.x reader would mis-launch: it neither allocates nor initialises the state those arguments need.
+FORMAT_VERSION = (3, 0)
 ALIGN = 4096  # section data starts on a page boundary so the weights blob can be mmapped in place
 
 _HEADER = struct.Struct("<8sHHIQQQQQII32s32s")

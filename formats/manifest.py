@@ -1,4 +1,4 @@
-"""Schema validation of the manifest, format 2.0 (SPEC.md §3, docs/architecture.md).
+"""Schema validation of the manifest, format 3.0 (SPEC.md §3, docs/architecture.md).
 
 The runtime launches kernels with raw device pointers computed from these numbers, so a single bad
 offset becomes an out-of-bounds write on the GPU. Everything that feeds a pointer, a size or a launch
@@ -11,6 +11,12 @@ expressions in the I/O shapes, the `table.extents` words that carry the symbol v
 and per graph its `bucket` (the symbol bounds it was lowered for) and `arena` (the bytes it uses).
 The cross-references between them are all checked here, because the runtime derives every
 graph's choice and every table word from them without further checks.
+
+Format 3.0 adds session state (docs/design-state.md): the `state` region and its table of named
+tensors (`state`), node arguments that point into it, and the optional `generate` map that lets
+the runtime drive a causal LM on the device. The runtime launches `generate.step` and feeds the
+state entries it names back into the decode graph, so every name it uses is resolved and
+type-checked here.
 """
 
 from __future__ import annotations
@@ -24,11 +30,14 @@ from .errors import FormatError, ManifestError
 from .shapes import check_shape_expr, expr_symbols, format_shape_expr
 
 SLOT_ROLES = ("input", "output")
-REGIONS = ("weights", "arena", "table")
+REGIONS = ("weights", "arena", "table", "state")
 # how an out-of-range message names each region; arena args are checked against graphs[i].arena
-_REGION_WORDS = {"weights": "weights region", "arena": "graph's arena", "table": "table"}
+_REGION_WORDS = {"weights": "weights region", "arena": "graph's arena", "table": "table",
+                 "state": "state region"}
+STATE_INITS = ("zeros", "data")  # zero-filled (no bytes in the file) or a tensor of the state section
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 WORD_PARAM_TYPES = ("i64", "i32")  # a {"word": i} argument is an integer scalar
-WEIGHT_ALIGN = 256
+WEIGHT_ALIGN = 256  # weights and state entries alike
 SLOT_ALIGN = 16
 MAX_RANK = 64
 SYMBOL_KINDS = ("input", "data")
@@ -130,7 +139,7 @@ def _no_overlap(spans, what: str) -> None:
 
 
 def validate_manifest(manifest, section_names=None) -> None:
-    """Raise ManifestError unless `manifest` follows schema 2.0 (SPEC.md §3).
+    """Raise ManifestError unless `manifest` follows schema 3.0 (SPEC.md §3).
 
     `section_names` (the package's sections) enables the checks that referenced kernel binaries and
     sources exist; read_package and write_package pass it, a compiler stage may leave it out.
@@ -165,13 +174,16 @@ def validate_manifest(manifest, section_names=None) -> None:
     io_slots: dict[int, str] = {}
     inputs = _io(m, "inputs", "input", slots, io_slots,
                  lambda d, p, i, dim: _input_dim(d, p, i, dim, symbols))
-    _io(m, "outputs", "output", slots, io_slots,
-        lambda d, p, i, dim: _output_dim(d, p, dim, symbols))
+    outputs = _io(m, "outputs", "output", slots, io_slots,
+                  lambda d, p, i, dim: _output_dim(d, p, dim, symbols))
     _symbol_sources(symbols, inputs)
     _weights(m, regions, section_names)
+    state = _state(m, regions, section_names)
     _arena_buffers(m, regions)
     kernels = _kernels(m, archs, section_names)
-    _graphs(m, kernels, regions, words, symbols)
+    graphs = _graphs(m, kernels, regions, words, symbols)
+    if "generate" in m:
+        _generate(m["generate"], inputs, outputs, state, len(graphs), kernels, regions, words)
 
 
 def validated_symbols(manifest: dict) -> dict[str, Symbol]:
@@ -349,15 +361,40 @@ def _symbol_sources(symbols: dict, inputs: list) -> None:
 
 
 def _weights(m: dict, regions: dict, section_names) -> None:
-    entries = _list(_get(m, "weights", "manifest"), "weights")
-    limit = regions["weights"]
+    entries = _tensor_table(m, "weights", "weight", regions["weights"])
+    if entries and section_names is not None and "weights" not in section_names:
+        _fail("weights", "the package has no 'weights' section")
+
+
+def _state(m: dict, regions: dict, section_names) -> dict[str, dict]:
+    """`state`: the session state tensors, by name. Laid out like the weights (the runtime computes
+    their device pointers the same way) plus an `init`: zeros cost no bytes in the file, data
+    entries are tensors of the `state` section."""
+    entries = _tensor_table(m, "state", "state entry", regions["state"])
+    data = []
+    for i, s in enumerate(entries):
+        init = _get(s, "init", f"state[{i}]")
+        if init not in STATE_INITS:
+            _fail(f"state[{i}].init", f"expected one of {STATE_INITS}, got {init!r}")
+        if init == "data":
+            data.append(i)
+    if data and section_names is not None and "state" not in section_names:
+        _fail(f"state[{data[0]}].init", "'data', but the package has no 'state' section")
+    return {s["name"]: s for s in entries}
+
+
+def _tensor_table(m: dict, key: str, noun: str, limit: int) -> list:
+    """`weights` and `state` share one layout: uniquely named tensors at 256-aligned offsets, sized
+    by dtype and shape, inside their region and not overlapping. One function checks both, so the
+    two rules cannot drift apart."""
+    entries = _list(_get(m, key, "manifest"), key)
     names, spans = set(), []
     for i, w in enumerate(entries):
-        p = f"weights[{i}]"
+        p = f"{key}[{i}]"
         _dict(w, p)
         name = _str(_get(w, "name", p), f"{p}.name")
         if name in names:
-            _fail(f"{p}.name", f"duplicate weight name {name!r}")
+            _fail(f"{p}.name", f"duplicate {noun} name {name!r}")
         names.add(name)
         dtype = _dtype(_get(w, "dtype", p), f"{p}.dtype")
         shape = _shape(_get(w, "shape", p), f"{p}.shape")
@@ -369,11 +406,10 @@ def _weights(m: dict, regions: dict, section_names) -> None:
         if nbytes != expected:
             _fail(f"{p}.nbytes", f"{nbytes} bytes, but {dtype}{list(shape)} needs {expected}")
         if off + nbytes > limit:
-            _fail(p, f"weights range [{off}, {off + nbytes}) exceeds the weights region ({limit} bytes)")
+            _fail(p, f"{key} range [{off}, {off + nbytes}) exceeds the {key} region ({limit} bytes)")
         spans.append((off, off + nbytes, p))
-    _no_overlap(spans, "weight")
-    if entries and section_names is not None and "weights" not in section_names:
-        _fail("weights", "the package has no 'weights' section")
+    _no_overlap(spans, noun)
+    return entries
 
 
 def _arena_buffers(m: dict, regions: dict) -> None:
@@ -442,7 +478,7 @@ def _kernels(m: dict, archs: list, section_names) -> list:
     return kernels
 
 
-def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict) -> None:
+def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict) -> list:
     """One graph per bucket: each names its bounds (`bucket`) and arena size, and its nodes may only
     touch that much arena, so the runtime can trust any graph it selects with the session arena."""
     graphs = _list(_get(m, "graphs", "manifest"), "graphs")
@@ -473,6 +509,62 @@ def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict) ->
         nodes = _list(_get(g, "nodes", gp), f"{gp}.nodes")
         for n_i, node in enumerate(nodes):
             _node(node, f"{gp}.nodes[{n_i}]", n_i, kernels, limits, words)
+    return graphs
+
+
+def _generate(g, inputs: list, outputs: list, state: dict, n_graphs: int, kernels: list,
+              regions: dict, words: int) -> None:
+    """`generate`: what `Session.generate` needs to run prefill, then decode steps on the device
+    without a host round trip. The runtime writes the named inputs and reads the named state
+    entries with fixed dtypes and shapes, so each is checked against them here."""
+    p = "generate"
+    _dict(g, p)
+    _io_ref(g, "tokens", inputs, "input", ("int64",), 2)
+    _io_ref(g, "positions", inputs, "input", ("int64",), 1)
+    _io_ref(g, "logits", outputs, "output", FLOAT_DTYPES, None)
+    capacity = _int(_get(g, "capacity", p), f"{p}.capacity", lo=1)
+    decode = _int(_get(g, "decode_graph", p), f"{p}.decode_graph")
+    if not 0 <= decode < n_graphs:
+        _fail(f"{p}.decode_graph", f"graph {decode} does not exist (there are {n_graphs})")
+    used: dict[str, str] = {}
+    for key, shape in (("ctrl", [4]), ("out_tokens", [capacity]), ("next_token", [1, 1]),
+                       ("next_position", [1])):
+        name = _state_ref(g, key, state, shape)
+        if name in used:
+            _fail(f"{p}.{key}", f"state entry {name!r} is already {p}.{used[name]}")
+        used[name] = key
+    step = _dict(_get(g, "step", p), f"{p}.step")
+    if _list(_get(step, "deps", f"{p}.step"), f"{p}.step.deps"):
+        _fail(f"{p}.step.deps", "must be empty: the step is not part of a graph "
+                                "(the runtime orders it in the generation graph)")
+    # no arena: the step runs between the prefill graph and the decode graph, which may lay their
+    # arenas out differently, so nothing in the arena is meaningful to it
+    _node(step, f"{p}.step", 0, kernels, {**regions, "arena": 0}, words)
+
+
+def _io_ref(g: dict, key: str, entries: list, role: str, dtypes: tuple, rank) -> None:
+    """`generate.<key>` names an input or output (per `role`) of one of `dtypes` and rank `rank`."""
+    p = f"generate.{key}"
+    name = _str(_get(g, key, "generate"), p)
+    entry = next((e for e in entries if e["name"] == name), None)
+    if entry is None:
+        _fail(p, f"{name!r} is not an {role} (the {role}s are {[e['name'] for e in entries]})")
+    if entry["dtype"] not in dtypes:
+        _fail(p, f"{role} {name!r} is {entry['dtype']}, expected {' or '.join(dtypes)}")
+    if rank is not None and len(entry["shape"]) != rank:
+        _fail(p, f"{role} {name!r} has rank {len(entry['shape'])}, expected {rank}")
+
+
+def _state_ref(g: dict, key: str, state: dict, shape: list) -> str:
+    """`generate.<key>` names an int64 state entry of exactly `shape`."""
+    p = f"generate.{key}"
+    name = _str(_get(g, key, "generate"), p)
+    entry = state.get(name)
+    if entry is None:
+        _fail(p, f"{name!r} is not a state entry")
+    if entry["dtype"] != "int64" or list(entry["shape"]) != shape:
+        _fail(p, f"state entry {name!r} is {entry['dtype']}{list(entry['shape'])}, expected int64{shape}")
+    return name
 
 
 def _bucket(g: dict, gp: str, symbols: dict) -> tuple:

@@ -1,9 +1,10 @@
-"""write_package / read_package: the container, the manifest and the weights checked together.
+"""write_package / read_package: the container, the manifest, the weights and state checked together.
 
 The rule this module enforces is "validate everything before anyone trusts anything": a Package
 object only exists for a file whose structure, hashes, manifest schema and cross-references
-(sections named by kernels, tensors named by the weights table) have all been checked. The writer
-runs the same checks on what it is about to write, so it cannot produce a file the reader refuses.
+(sections named by kernels, tensors named by the weights and state tables) have all been checked.
+The writer runs the same checks on what it is about to write, so it cannot produce a file the
+reader refuses.
 """
 
 from __future__ import annotations
@@ -39,16 +40,28 @@ def _unpack_manifest(blob) -> dict:
     return manifest
 
 
-def _check_weights_section(manifest: dict, blob) -> None:
-    """Each weights-table entry must name a tensor of the same dtype and shape in the section."""
-    tensors = decode_weights(blob)
-    for i, w in enumerate(manifest["weights"]):
-        t = tensors.get(w["name"])
-        if t is None:
-            raise ManifestError(f"weights[{i}]: tensor {w['name']!r} is not in the weights section")
-        if t[0] != w["dtype"] or list(t[1]) != list(w["shape"]):
-            raise ManifestError(f"weights[{i}]: tensor {w['name']!r} is {t[0]}{list(t[1])} in the "
-                                f"weights section but {w['dtype']}{list(w['shape'])} in the manifest")
+def _tensor_sections(manifest: dict):
+    """(section name, [(index, entry)]) for each manifest table whose data is a safetensors section:
+    every weight and every state entry with init "data" (R14, R15)."""
+    yield "weights", list(enumerate(manifest["weights"]))
+    yield "state", [(i, s) for i, s in enumerate(manifest["state"]) if s["init"] == "data"]
+
+
+def _check_tensor_sections(manifest: dict, section) -> None:
+    """Decode each tensor section that the manifest needs (`section(name)` gives its bytes) and check
+    that every entry names a tensor of the same dtype and shape in it. Runs after validate_manifest,
+    which has already checked that these sections exist."""
+    for name, entries in _tensor_sections(manifest):
+        if not entries:
+            continue
+        tensors = decode_weights(section(name), section=name)
+        for i, e in entries:
+            t = tensors.get(e["name"])
+            if t is None:
+                raise ManifestError(f"{name}[{i}]: tensor {e['name']!r} is not in the {name} section")
+            if t[0] != e["dtype"] or list(t[1]) != list(e["shape"]):
+                raise ManifestError(f"{name}[{i}]: tensor {e['name']!r} is {t[0]}{list(t[1])} in the "
+                                    f"{name} section but {e['dtype']}{list(e['shape'])} in the manifest")
 
 
 def write_package(path, manifest: dict, sections: dict) -> None:
@@ -63,8 +76,7 @@ def write_package(path, manifest: dict, sections: dict) -> None:
         raise ManifestError(f"manifest cannot be encoded as msgpack: {e}") from None
     # Validate what a reader will see (tuples become lists, keys must be strings, ...).
     validate_manifest(_unpack_manifest(blob), section_names=list(sections))
-    if manifest["weights"]:
-        _check_weights_section(manifest, sections["weights"])
+    _check_tensor_sections(manifest, sections.__getitem__)
 
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -172,9 +184,8 @@ def read_package(source, *, verify: bool = True) -> Package:
                                 f"the header says {list(container.version)}")
         names = [s.name for s in container.sections]
         validate_manifest(manifest, section_names=names)
-        if manifest["weights"]:
-            w = next(s for s in container.sections if s.name == "weights")
-            _check_weights_section(manifest, buf[w.offset:w.offset + w.nbytes])
+        spans = {s.name: (s.offset, s.offset + s.nbytes) for s in container.sections}
+        _check_tensor_sections(manifest, lambda name: buf[slice(*spans[name])])
         return Package(buf, mm, path, container, manifest)
     except BaseException:
         if mm is not None:

@@ -1,13 +1,16 @@
-"""The weights section: a standard safetensors blob, encoded without torch and decoded zero-copy.
+"""The weights and state sections: standard safetensors blobs, encoded without torch, decoded zero-copy.
 
 safetensors is the interchange format everyone can already read (`safetensors.safe_open` works on an
 extracted section), and it carries bfloat16 as plain bytes. We encode through the safetensors library
 so the blob is exactly what it would write, but decode the (tiny) JSON header ourselves: the library
 copies tensor data into new `bytes`, while the runtime wants views straight into the mmapped package.
+The `state` section (the initial values of session state with init "data", format 3.0) has the same
+layout, so it has the same codec; `decode_state` only makes its errors name the state section.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 
@@ -62,81 +65,91 @@ def encode_weights(tensors: dict) -> bytes:
     return blob
 
 
-def _no_duplicate_keys(pairs):
+def _no_duplicate_keys(section, pairs):
     out = {}
     for k, v in pairs:
         if k in out:
-            raise FormatError(f"weights: safetensors header repeats the key {k!r}")
+            raise FormatError(f"{section}: safetensors header repeats the key {k!r}")
         out[k] = v
     return out
 
 
-def decode_weights(blob) -> dict[str, tuple[str, tuple[int, ...], memoryview]]:
+def decode_weights(blob, *, section: str = "weights"
+                   ) -> dict[str, tuple[str, tuple[int, ...], memoryview]]:
     """Parse a safetensors blob into {name: (dtype, shape, view)}; views alias `blob` (no copies).
 
     Applies the safetensors rules strictly: a bounded JSON header, known dtypes, sizes that match
-    shapes, and tensor data that covers the buffer exactly without overlap.
+    shapes, and tensor data that covers the buffer exactly without overlap. `section` only names
+    the blob in error messages.
     """
     try:
         buf = memoryview(blob)
     except TypeError:
-        raise FormatError(f"weights: expected bytes-like data, got {type(blob).__name__}") from None
+        raise FormatError(f"{section}: expected bytes-like data, got {type(blob).__name__}") from None
     if buf.format != "B" or buf.ndim != 1:
         buf = buf.cast("B")
     if buf.nbytes < 8:
-        raise FormatError(f"weights: safetensors blob is {buf.nbytes} bytes, shorter than its 8-byte header length")
+        raise FormatError(f"{section}: safetensors blob is {buf.nbytes} bytes, shorter than its 8-byte header length")
     (header_len,) = struct.unpack_from("<Q", buf, 0)
     if header_len > _MAX_HEADER or 8 + header_len > buf.nbytes:
-        raise FormatError(f"weights: safetensors header length {header_len} exceeds the blob ({buf.nbytes} bytes)")
+        raise FormatError(f"{section}: safetensors header length {header_len} exceeds the blob ({buf.nbytes} bytes)")
     try:
         header = json.loads(bytes(buf[8:8 + header_len]).decode("utf-8"),
-                            object_pairs_hook=_no_duplicate_keys)
+                            object_pairs_hook=functools.partial(_no_duplicate_keys, section))
     except FormatError:
         raise
     except (ValueError, RecursionError) as e:
-        raise FormatError(f"weights: safetensors header is not valid JSON: {e}") from None
+        raise FormatError(f"{section}: safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
-        raise FormatError("weights: safetensors header must be a JSON object")
+        raise FormatError(f"{section}: safetensors header must be a JSON object")
 
     data = buf[8 + header_len:]
     out, spans = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
-                raise FormatError("weights: __metadata__ must map strings to strings")
+                raise FormatError(f"{section}: __metadata__ must map strings to strings")
             continue
-        out[name] = _decode_entry(name, info, data)
+        out[name] = _decode_entry(section, name, info, data)
         spans.append((info["data_offsets"][0], info["data_offsets"][1], name))
 
     spans.sort()
     cur = 0
     for begin, end, name in spans:
         if begin != cur:
-            raise FormatError(f"weights: tensor {name!r} starts at {begin}, expected {cur} "
+            raise FormatError(f"{section}: tensor {name!r} starts at {begin}, expected {cur} "
                               "(tensor data must be contiguous and non-overlapping)")
         cur = end
     if cur != data.nbytes:
-        raise FormatError(f"weights: tensors cover {cur} of {data.nbytes} data bytes")
+        raise FormatError(f"{section}: tensors cover {cur} of {data.nbytes} data bytes")
     return out
 
 
-def _decode_entry(name: str, info, data: memoryview):
+def _decode_entry(section: str, name: str, info, data: memoryview):
     if not isinstance(info, dict):
-        raise FormatError(f"weights: entry {name!r} must be an object")
+        raise FormatError(f"{section}: entry {name!r} must be an object")
     code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if code not in SAFETENSORS_TO_DTYPE:
-        raise FormatError(f"weights: tensor {name!r} has unsupported dtype {code!r}")
+        raise FormatError(f"{section}: tensor {name!r} has unsupported dtype {code!r}")
     if not isinstance(shape, list) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise FormatError(f"weights: tensor {name!r} has a bad shape {shape!r}")
+        raise FormatError(f"{section}: tensor {name!r} has a bad shape {shape!r}")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data.nbytes):
-        raise FormatError(f"weights: tensor {name!r} has bad data_offsets {offsets!r} "
+        raise FormatError(f"{section}: tensor {name!r} has bad data_offsets {offsets!r} "
                           f"(data is {data.nbytes} bytes)")
     dtype = SAFETENSORS_TO_DTYPE[code]
     expected = numel(shape) * DTYPES[dtype][0]
     if offsets[1] - offsets[0] != expected:
-        raise FormatError(f"weights: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, "
+        raise FormatError(f"{section}: tensor {name!r} spans {offsets[1] - offsets[0]} bytes, "
                           f"but {dtype}{shape} needs {expected}")
     return dtype, tuple(shape), data[offsets[0]:offsets[1]]
+
+
+def decode_state(blob) -> dict[str, tuple[str, tuple[int, ...], memoryview]]:
+    """The `state` section: `decode_weights` with errors that name the state section."""
+    return decode_weights(blob, section="state")
+
+
+encode_state = encode_weights  # the state section is a safetensors blob like the weights section

@@ -1,7 +1,8 @@
-"""The .grace container (format 2.0): round trips, and typed rejection of every kind of bad file.
+"""The .grace container (format 3.0): round trips, and typed rejection of every kind of bad file.
 
 Two manifests are exercised: a static one (no symbols, one graph) and a shape-bucket one (two input
-symbols and a data symbol, one graph per bucket). CPU only.
+symbols and a data symbol, one graph per bucket); both stateless (`state: []`). Session state and
+`generate` are tested in test_format_state.py. CPU only.
 """
 
 import copy
@@ -58,7 +59,8 @@ def make_manifest() -> dict:
             {"name": "x", "role": "input", "offset": 0, "rank": 2},
             {"name": "out0", "role": "output", "offset": 48, "rank": 2}],
             "extents": {"offset": 88, "count": 0}},
-        "regions": {"weights": 512, "arena": 1024, "table": 96},
+        "regions": {"weights": 512, "arena": 1024, "table": 96, "state": 0},
+        "state": [],
         "weights": [
             {"name": "fc.weight", "dtype": "float32", "shape": [16, 4], "offset": 0, "nbytes": 256},
             {"name": "fc.bias", "dtype": "bfloat16", "shape": [4], "offset": 256, "nbytes": 8}],
@@ -170,7 +172,8 @@ def make_dyn_manifest() -> dict:
         {"name": "out0", "role": "output", "offset": 96, "rank": 3},
         {"name": "idx", "role": "output", "offset": 160, "rank": 2}]}
     m["graphs"] = [_dyn_graph(b, q) for b in DYN_BATCH for q in DYN_SEQ]
-    m["regions"] = {"weights": 512, "arena": max(g["arena"] for g in m["graphs"]), "table": 224}
+    m["regions"] = {"weights": 512, "arena": max(g["arena"] for g in m["graphs"]), "table": 224,
+                    "state": 0}
     m["arena_buffers"] = []
     return m
 
@@ -216,7 +219,7 @@ def test_round_trip_from_file(tmp_path):
     pkg = read_package(path)
     assert isinstance(pkg, Package)
     assert pkg.format_version == FORMAT_VERSION
-    assert pkg.manifest == {**manifest, "format_version": [2, 0]}
+    assert pkg.manifest == {**manifest, "format_version": [3, 0]}
     assert pkg.section_names == list(sections)
     for name, data in sections.items():
         assert bytes(pkg.section(name)) == data
@@ -316,36 +319,48 @@ def test_wrong_magic(pkg_bytes):
         read_package(pkg_bytes[:5])
 
 
-def test_format_version_is_2_0():
-    assert FORMAT_VERSION == (2, 0)
+def test_format_version_is_3_0():
+    assert FORMAT_VERSION == (3, 0)
 
 
-@pytest.mark.parametrize("major", [0, 1, 3, 65535])
+@pytest.mark.parametrize("major", [0, 1, 2, 4, 65535])
 def test_unknown_major_version(pkg_bytes, major):
     data = bytearray(pkg_bytes)
     data[8:10] = struct.pack("<H", major)
     with pytest.raises(UnsupportedVersionError,
-                       match=rf"version {major}\.0 .*2\.x, up to 2\.0\): recompile the model with this grace"):
+                       match=rf"version {major}\.0 .*3\.x, up to 3\.0\): recompile the model with this grace"):
         read_package(bytes(data))
 
 
-def test_format_1_0_package_is_rejected_with_a_hint():
-    """A package from a 1.x compiler: the message names both versions and says what to do."""
-    data = packed({k: v for k, v in make_manifest().items() if k != "symbols"}, version=(1, 0))
+def _v2_manifest() -> dict:
+    """What a 2.x compiler wrote: no session state."""
+    m = make_manifest()
+    del m["state"], m["regions"]["state"]
+    return m
+
+
+@pytest.mark.parametrize("version, manifest", [
+    ((1, 0), lambda: {k: v for k, v in _v2_manifest().items() if k != "symbols"}),
+    ((2, 0), _v2_manifest),
+    ((2, 3), _v2_manifest),
+])
+def test_older_major_package_is_rejected_with_a_hint(version, manifest):
+    """A package from a 1.x or 2.x compiler: the message names both versions and says what to do."""
+    data = packed(manifest(), version=version)
     with pytest.raises(UnsupportedVersionError) as info:
         read_package(data)
     msg = str(info.value)
-    assert "1.0" in msg and "2.x" in msg and "recompile" in msg
+    assert f"{version[0]}.{version[1]}" in msg and "3.x" in msg and "recompile" in msg
 
 
 def test_newer_minor_version_is_accepted():
-    data = packed(make_manifest(), version=(2, 7))
+    data = packed(make_manifest(), version=(3, 7))
     pkg = read_package(data)
-    assert pkg.format_version == (2, 7)
+    assert pkg.format_version == (3, 7)
     # Reserved header fields may carry meaning in a newer minor, so they are ignored there...
     data = bytearray(data)
     data[12:16] = struct.pack("<I", 1)
-    assert read_package(bytes(data)).format_version == (2, 7)
+    assert read_package(bytes(data)).format_version == (3, 7)
     # ... but must be zero in a minor this reader knows.
     data[10:12] = struct.pack("<H", 0)
     with pytest.raises(FormatError, match="reserved"):
@@ -353,7 +368,7 @@ def test_newer_minor_version_is_accepted():
 
 
 def test_manifest_version_must_match_header():
-    data = packed({**make_manifest(), "format_version": [2, 1]}, version=(2, 0))
+    data = packed({**make_manifest(), "format_version": [3, 1]}, version=(3, 0))
     with pytest.raises(ManifestError, match="format_version"):
         read_package(data)
 
@@ -469,7 +484,13 @@ BAD_MANIFESTS = [
     (_set(["graphs", 0, "nodes", 1, "args", 1, "nbytes"], 4096),
      r"args\[1\]: weights range \[0, 4096\) exceeds the weights region \(512 bytes\)"),
     (_set(["graphs", 0, "nodes", 1, "args", 0, "offset"], -8), r"args\[0\]\.offset: -8 is below"),
-    (_set(["graphs", 0, "nodes", 1, "args", 0, "region"], "state"), r"args\[0\]\.region"),
+    (_set(["graphs", 0, "nodes", 1, "args", 0, "region"], "scratch"),
+     r"args\[0\]\.region: expected one of \('weights', 'arena', 'table', 'state'\), got 'scratch'"),
+    (_set(["graphs", 0, "nodes", 1, "args", 1, "region"], "state"),
+     r"args\[1\]: state range \[0, 256\) exceeds the state region \(0 bytes\)"),
+    (lambda m: m.pop("state"), r"manifest: missing required key 'state'"),
+    (lambda m: m["regions"].pop("state"), r"regions: missing required key 'state'"),
+    (_set(["regions", "state"], -1), r"regions\.state: -1 is below the minimum 0"),
     (_set(["graphs", 0, "nodes", 0, "args", 10], {"word": 10}),
      r"nodes\[0\]\.args\[10\]\.word: table word 10 is out of range \(the table has 10 words"),
     (_set(["graphs", 0, "nodes", 1, "args", 1], {"word": 0}),
@@ -510,7 +531,8 @@ BAD_MANIFESTS = [
     (lambda m: m.pop("graphs"), r"manifest: missing required key 'graphs'"),
     (lambda m: m["graphs"][0]["nodes"][1].pop("grid"), r"nodes\[1\]: missing required key 'grid'"),
     (_set(["regions", "arena"], "big"), r"regions\.arena: expected an int, got str"),
-    (_set(["format_version"], [1, 0]), r"format_version: major version 1 is not 2: recompile"),
+    (_set(["format_version"], [1, 0]), r"format_version: major version 1 is not 3: recompile"),
+    (_set(["format_version"], [2, 0]), r"format_version: major version 2 is not 3: recompile"),
 ]
 
 
@@ -593,7 +615,7 @@ def test_writer_refuses_unencodable_manifest(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# Format 2.0: symbols, shape expressions, extents, one graph per bucket
+# Shape buckets (since 2.0): symbols, shape expressions, extents, one graph per bucket
 
 
 def test_dyn_round_trip(tmp_path):
@@ -601,8 +623,8 @@ def test_dyn_round_trip(tmp_path):
     path = tmp_path / "dyn.grace"
     write_package(path, manifest, sections)
     with read_package(path) as pkg:
-        assert pkg.format_version == (2, 0)
-        assert pkg.manifest == {**manifest, "format_version": [2, 0]}
+        assert pkg.format_version == (3, 0)
+        assert pkg.manifest == {**manifest, "format_version": [3, 0]}
         assert [g["bucket"] for g in pkg.manifest["graphs"]] == [
             {"batch": b, "seq": q, "n": b * q * 16} for b in DYN_BATCH for q in DYN_SEQ]
         assert pkg.manifest["outputs"][0]["shape"] == ["batch", ["+", "seq", 1], 4]
@@ -903,19 +925,26 @@ def any_pkg_bytes(request, tmp_path) -> bytes:
     return path.read_bytes()
 
 
+def _flip_bytes(rng, data: bytearray, span: int, count: int) -> None:
+    """XOR `count` distinct bytes among the first `span` with non-zero masks: the result always
+    differs from the input (assigning a random byte may rewrite the byte that was there)."""
+    for pos in rng.sample(range(min(span, len(data))), min(count, span, len(data))):
+        data[pos] ^= rng.randrange(1, 256)
+
+
 def test_fuzz_random_byte_mutations(any_pkg_bytes):
     rng = random.Random(1234)
     for _ in range(300):
         data = bytearray(any_pkg_bytes)
         kind = rng.random()
         if kind < 0.6:
-            for _ in range(rng.randint(1, 8)):
-                data[rng.randrange(len(data))] = rng.randrange(256)
+            _flip_bytes(rng, data, len(data), rng.randint(1, 8))
         elif kind < 0.8:  # aim at the header and index, where lengths and offsets live
-            for _ in range(rng.randint(1, 4)):
-                data[rng.randrange(HEADER_NBYTES + 300)] = rng.randrange(256)
-        else:
-            del data[rng.randrange(len(data)):][:rng.randint(1, 64)]
+            _flip_bytes(rng, data, HEADER_NBYTES + 300, rng.randint(1, 4))
+        else:  # cut a run of bytes out of the file itself (not out of a temporary slice of it)
+            start = rng.randrange(len(data))
+            del data[start:start + rng.randint(1, 64)]
+        assert data != any_pkg_bytes  # every mutant is a different file
         read_only_format_errors(bytes(data))
 
 
@@ -923,25 +952,31 @@ def test_fuzz_random_byte_mutations(any_pkg_bytes):
 def test_fuzz_manifest_bytes_with_valid_hashes(make):
     """Mutate the msgpack itself and re-pack, so decoding and validation see the damage."""
     rng = random.Random(99)
-    blob = msgpack.packb({"format_version": [2, 0], **make()}, use_bin_type=True)
+    blob = msgpack.packb({"format_version": list(FORMAT_VERSION), **make()}, use_bin_type=True)
     sections = make_dyn_sections()
     for _ in range(300):
         b = bytearray(blob)
-        for _ in range(rng.randint(1, 6)):
-            b[rng.randrange(len(b))] = rng.randrange(256)
+        _flip_bytes(rng, b, len(b), rng.randint(1, 6))
+        assert b != blob
         read_only_format_errors(pack_package_bytes(bytes(b), sections))
 
 
 @pytest.mark.parametrize("make", [make_manifest, make_dyn_manifest])
 def test_fuzz_manifest_structure(make):
-    """Replace random nodes of the manifest tree with values of random types."""
-    rng = random.Random(7)
-    junk = [None, -1, 0, 2**64 - 1, 1.5, "x", b"\x00", [], {}, [1, 2, 3], {"region": "arena"},
-            {"word": -1}, True, "sm_90", [0, 0, 0], "seq", "n", ["+", "seq", 1], ["//", 1, 0],
-            [0, 7], {"seq": 128}, _nest(40)]
-    base = make()
-    sections = make_dyn_sections()
-    for _ in range(600):
+    fuzz_manifest_tree(make(), make_dyn_sections(), seed=7)
+
+
+FUZZ_JUNK = [None, -1, 0, 2**64 - 1, 1.5, "x", b"\x00", [], {}, [1, 2, 3], {"region": "arena"},
+             {"region": "state", "offset": 0, "nbytes": 8}, "data", "zeros",
+             {"word": -1}, True, "sm_90", [0, 0, 0], "seq", "n", ["+", "seq", 1], ["//", 1, 0],
+             [0, 7], {"seq": 128}, _nest(40)]
+
+
+def fuzz_manifest_tree(base: dict, sections: dict, seed: int, rounds: int = 600) -> None:
+    """Replace random nodes of the manifest tree with values of random types; only ManifestError
+    (from the validator) and FormatError (from the reader) may come out."""
+    rng = random.Random(seed)
+    for _ in range(rounds):
         m = copy.deepcopy(base)
         for _ in range(rng.randint(1, 3)):
             obj = m
@@ -954,7 +989,7 @@ def test_fuzz_manifest_structure(make):
                 if isinstance(child, (dict, list)) and child and rng.random() < 0.7:
                     obj = child
                     continue
-                obj[key] = copy.deepcopy(rng.choice(junk))  # shared junk could form cycles
+                obj[key] = copy.deepcopy(rng.choice(FUZZ_JUNK))  # shared junk could form cycles
                 break
         try:
             validate_manifest(m)
