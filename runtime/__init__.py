@@ -5,7 +5,7 @@
     out = sess.run(x=tensor)["out0"]                     # one graph launch; out is a DeviceArray
     y = torch.from_dlpack(out)  /  out.numpy()
 
-A package holds one graph per shape bucket (format 2.0, docs/design-buckets.md); each call picks the
+A package holds one graph per shape bucket (docs/design-buckets.md); each call picks the
 smallest bucket that fits the input sizes and launches that graph with the true sizes in the table.
 
 The lifecycle, module by module:
@@ -19,6 +19,12 @@ The lifecycle, module by module:
     Session.run       validate inputs (validate.check_array, shapes: symbols, ranges, graph choice;
                       all before any launch) -> table words into the chosen graph's table-writer node
                       (SetParams) -> cuGraphLaunch -> DeviceArrays with the true shapes (arrays)
+    state             format 3.0 (docs/design-state.md): each session owns `regions.state` bytes,
+                      initialised from the package (state.plan_state) and kept across runs;
+                      Session.reset_state / read_state
+    Session.generate  packages compiled with --generate: checks (generate.GeneratePlan) -> reset ->
+                      prefill run() -> one launch of the generation graph (graph.GenerationGraph:
+                      the decode graph inside a WHILE conditional node) -> the new token ids
 
 Importing this package never imports torch, triton, or the CUDA driver; the driver is loaded by the
 first load(). Without a GPU, load() raises NoDeviceError; use `grace run --interpret` instead.

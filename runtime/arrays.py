@@ -26,6 +26,19 @@ from .errors import InputError, StaleOutputError
 from .validate import ArrayRecord, contiguous_strides
 
 
+def host_buffer(dtype: str, shape) -> np.ndarray:
+    """An empty host array to copy `dtype` device data into (bfloat16: its raw 16-bit words)."""
+    return np.empty(shape, dtype=np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
+
+
+def host_array(dtype: str, raw: np.ndarray) -> np.ndarray:
+    """What a reader gets from `raw` (filled through host_buffer): bfloat16 widened to float32 (exact:
+    bfloat16 is the top half of a float32; numpy has no bfloat16), any other dtype as is."""
+    if dtype == "bfloat16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw
+
+
 class DeviceArray:
     """A C-contiguous array in device memory: `.shape`, `.dtype` (a name such as "float32"),
     `.numpy()`, `__cuda_array_interface__` (v3) and `__dlpack__`.
@@ -121,15 +134,12 @@ class DeviceArray:
     def numpy(self) -> np.ndarray:
         """Copy to a new host array (waits for the run that produced it). bfloat16 -> float32."""
         shape = self.shape  # checks staleness
-        bf16 = self._dtype == "bfloat16"
-        host = np.empty(shape, dtype=np.uint16 if bf16 else np.dtype(self._dtype))
+        host = host_buffer(self._dtype, shape)
         if self._owner is not None:
             self._owner._to_host(host.ctypes.data, self._ptr, host.nbytes)
         else:
             driver.copy_dtoh(host.ctypes.data, self._ptr, host.nbytes)
-        if bf16:  # bfloat16 is the top half of a float32
-            host = (host.astype(np.uint32) << 16).view(np.float32)
-        return host
+        return host_array(self._dtype, host)
 
     # --- protocols
     @property

@@ -8,6 +8,10 @@
                                      cuGraphInstantiate. Per call, launch(words): the table words go
                                      into the parameter cells of the nodes that take them (the table
                                      writer), one cuGraphExecKernelNodeSetParams each, cuGraphLaunch.
+    plan_node(...)                   the check of one node, shared by plan_graph and the generate
+                                     step (runtime/generate.py).
+    GenerationGraph(...)             driver; generate()'s token loop as one graph with a WHILE
+                                     conditional node (docs/design-state.md).
 
 Kernel parameters. Kernel ABI (docs/architecture.md): the kernel's declared parameters, then
 `hidden_params` null pointers (Triton 3.6: global and profile scratch). Region arguments become
@@ -31,7 +35,7 @@ from . import driver
 from .driver import call, check
 from .errors import InvalidPackageError, PackageMismatchError
 
-REGIONS = ("weights", "arena", "table")  # what a {"region": ...} argument may name
+REGIONS = ("weights", "arena", "table", "state")  # what a {"region": ...} argument may name
 INT_PARAM_TYPES = {"i64", "u64", "i32", "u32"}
 _U64 = (1 << 64) - 1
 
@@ -59,8 +63,8 @@ def table_word_count(manifest) -> int:
 
 def graph_regions(manifest, graph_index: int) -> dict:
     """The bytes of each region graph `graph_index` may touch: its own `arena` (the arena region is
-    the largest of them, shared by all graphs of a session), the whole weights and table."""
-    regions = dict(manifest["regions"])
+    the largest of them, shared by all graphs of a session), the whole weights, table and state."""
+    regions = node_regions(manifest, arena=None)
     graph = manifest["graphs"][graph_index]
     arena = graph["arena"]
     if not 0 <= arena <= regions["arena"]:
@@ -70,42 +74,59 @@ def graph_regions(manifest, graph_index: int) -> dict:
     return regions
 
 
+def node_regions(manifest, arena=None) -> dict:
+    """{region: bytes} a node may address: `regions` of the manifest, `state` 0 when the package
+    has none (format 2.x), and the arena limited to `arena` bytes when given (the generate step node
+    gets 0: it has no arena of its own)."""
+    regions = {name: manifest["regions"].get(name, 0) for name in REGIONS}
+    if arena is not None:
+        regions["arena"] = arena
+    return regions
+
+
 def plan_graph(manifest, graph_index: int = 0) -> list:
     """Check one graph of the manifest and return its NodePlans (in execution order)."""
     graphs = manifest.get("graphs") or []
     if not graphs:
         raise InvalidPackageError("the package contains no graph")
     graph = graphs[graph_index]
-    kernels, regions = manifest["kernels"], graph_regions(manifest, graph_index)
+    regions = graph_regions(manifest, graph_index)
     n_words = table_word_count(manifest)
-    plans = []
-    for i, node in enumerate(graph["nodes"]):
-        where = f"graph {graph.get('name', graph_index)!r} node {i} ({node.get('label', '?')})"
-        k = node["kernel"]
-        if not 0 <= k < len(kernels):
-            raise InvalidPackageError(f"{where}: kernel index {k} is out of range ({len(kernels)} kernels)")
-        kernel = kernels[k]
-        if kernel.get("global_scratch_size", 0) or kernel.get("profile_scratch_size", 0):
-            raise PackageMismatchError(
-                f"{where}: kernel {kernel['name']} needs Triton global/profile scratch memory "
-                f"({kernel.get('global_scratch_size', 0)}/{kernel.get('profile_scratch_size', 0)} bytes), "
-                "which this runtime does not provide yet")
-        params, args = kernel["params"], node["args"]
-        if len(args) != len(params):
-            raise InvalidPackageError(f"{where}: {len(args)} arguments for the {len(params)} parameters "
-                                      f"of kernel {kernel['name']}")
-        plan_args = [_plan_arg(where, p, a, regions, n_words) for p, a in zip(params, args)]
-        plan_args += [("zero",)] * kernel["hidden_params"]
-        deps = tuple(node.get("deps", ()))
-        for d in deps:
-            if not 0 <= d < i:
-                raise InvalidPackageError(f"{where}: depends on node {d}, which does not come before it")
-        grid = tuple(node["grid"])
-        if len(grid) != 3 or not all(isinstance(g, int) and g >= 1 for g in grid):
-            raise InvalidPackageError(f"{where}: grid {list(grid)} must be three positive ints")
-        plans.append(NodePlan(i, where, k, grid, 32 * kernel["num_warps"], kernel["shared"],
-                              tuple(plan_args), deps))
-    return plans
+    name = graph.get("name", graph_index)
+    return [plan_node(manifest, node, i, f"graph {name!r} node {i} ({node.get('label', '?')})", regions, n_words)
+            for i, node in enumerate(graph["nodes"])]
+
+
+def plan_node(manifest, node, index: int, where: str, regions: dict, n_words: int) -> NodePlan:
+    """Check one node (a graph's, or the generate step) and return its NodePlan: the kernel exists
+    and needs no scratch memory, one argument per parameter, every region argument inside `regions`,
+    every table word in range, deps on earlier nodes only, a valid grid."""
+    kernels = manifest["kernels"]
+    k = node["kernel"]
+    if not 0 <= k < len(kernels):
+        raise InvalidPackageError(f"{where}: kernel index {k} is out of range ({len(kernels)} kernels)")
+    kernel = kernels[k]
+    if kernel.get("global_scratch_size", 0) or kernel.get("profile_scratch_size", 0):
+        raise PackageMismatchError(
+            f"{where}: kernel {kernel['name']} needs Triton global/profile scratch memory "
+            f"({kernel.get('global_scratch_size', 0)}/{kernel.get('profile_scratch_size', 0)} bytes), "
+            "which this runtime does not provide yet")
+    params, args = kernel["params"], node["args"]
+    if len(args) != len(params):
+        raise InvalidPackageError(f"{where}: {len(args)} arguments for the {len(params)} parameters "
+                                  f"of kernel {kernel['name']}")
+    plan_args = [_plan_arg(where, p, a, regions, n_words) for p, a in zip(params, args)]
+    # Optional in SPEC.md §3 and §5: absent means the kernel has no hidden parameters (the compiler
+    # writes Triton 3.6's 2 explicitly).
+    plan_args += [("zero",)] * kernel.get("hidden_params", 0)
+    deps = tuple(node.get("deps", ()))
+    for d in deps:
+        if not 0 <= d < index:
+            raise InvalidPackageError(f"{where}: depends on node {d}, which does not come before it")
+    grid = tuple(node["grid"])
+    if len(grid) != 3 or not all(isinstance(g, int) and g >= 1 for g in grid):
+        raise InvalidPackageError(f"{where}: grid {list(grid)} must be three positive ints")
+    return NodePlan(index, where, k, grid, 32 * kernel["num_warps"], kernel["shared"], tuple(plan_args), deps)
 
 
 def _plan_arg(where, param, arg, regions, n_words):
@@ -173,6 +194,21 @@ class ParamBlock:
         self.address = ctypes.addressof(self.pointers)  # what kernelParams receives
 
 
+def add_kernel_node(graph, function, grid, block, shared, values, deps, where):
+    """cuGraphAddKernelNode for one kernel launch with parameter `values` after `deps` (graph
+    nodes). Returns (node, ParamBlock, CUDA_KERNEL_NODE_PARAMS); keep both for the graph's life."""
+    cu = driver.cuda()
+    block_cells = ParamBlock(values)
+    p = cu.CUDA_KERNEL_NODE_PARAMS()
+    p.func = function
+    p.gridDimX, p.gridDimY, p.gridDimZ = grid
+    p.blockDimX, p.blockDimY, p.blockDimZ = block, 1, 1
+    p.sharedMemBytes = shared
+    p.kernelParams = block_cells.address
+    node = check(cu.cuGraphAddKernelNode(graph, deps, len(deps), p), f"cuGraphAddKernelNode for {where}")
+    return node, block_cells, p
+
+
 class ExecutableGraph:
     """An instantiated graph: `launch(words, stream)` puts the table words into the nodes that take
     them and launches."""
@@ -189,16 +225,8 @@ class ExecutableGraph:
             nodes = []
             for plan in plans:
                 values, word_positions = param_values(plan, bases, words)
-                block = ParamBlock(values)
-                p = cu.CUDA_KERNEL_NODE_PARAMS()
-                p.func = functions[plan.kernel]
-                p.gridDimX, p.gridDimY, p.gridDimZ = plan.grid
-                p.blockDimX, p.blockDimY, p.blockDimZ = plan.block, 1, 1
-                p.sharedMemBytes = plan.shared
-                p.kernelParams = block.address
-                deps = [nodes[d] for d in plan.deps]
-                node = check(cu.cuGraphAddKernelNode(self.graph, deps, len(deps), p),
-                             f"cuGraphAddKernelNode for {plan.where}")
+                node, block, p = add_kernel_node(self.graph, functions[plan.kernel], plan.grid, plan.block,
+                                                 plan.shared, values, [nodes[d] for d in plan.deps], plan.where)
                 nodes.append(node)
                 self._keep.append((block, p))
                 if word_positions:
@@ -235,3 +263,80 @@ class ExecutableGraph:
         if self.graph is not None:
             call(cu.cuGraphDestroy, self.graph)
             self.graph = None
+
+
+class GenerationGraph(ExecutableGraph):
+    """The token loop of generate() as one graph (docs/design-state.md, "Runtime"):
+
+        step -> set_condition -> decode table writer -> WHILE { decode kernels -> step -> set_condition }
+
+    `step` (the package's argmax-and-advance node) reads the logits of the run before it, appends
+    the token to out_tokens, feeds it back through next_token / next_position and sets ctrl's done
+    word; `set_condition` (the runtime's PTX kernel) sets the WHILE node's condition to done == 0.
+    The first step consumes the prefill's logits, so it runs before the decode table writer rewrites
+    the table. The decode writer's words (tokens and positions slots pointing at next_token /
+    next_position in the state region, outputs at the session's buffers) are fixed per session, so
+    launch() is a bare cuGraphLaunch: no SetParams and no host round trip per token.
+
+    `writer`, `body`: the decode graph's NodePlans (node 0, nodes 1..); `step`: the step's NodePlan;
+    `condition`: the set_condition CUfunction; `ctrl`: the device address of ctrl (int64[4]).
+    """
+
+    def __init__(self, writer, body, step, condition, ctrl: int, functions, bases: dict, words, ctx):
+        cu = driver.cuda()
+        self._cu = cu
+        self.graph = call(cu.cuGraphCreate, 0)
+        self.exec = None
+        self._keep, self._dynamic, self._runs = [], [], []
+        try:
+            handle = call(cu.cuGraphConditionalHandleCreate, self.graph, ctx, 0, 0)
+            self._keep.append(handle)
+            self._condition = (condition, [int(handle), ctrl])
+
+            def add_plan(graph, plan, deps):
+                values, _ = param_values(plan, bases, words)
+                return self._add(graph, functions[plan.kernel], plan.grid, plan.block, plan.shared, values,
+                                 deps, plan.where)
+
+            first = add_plan(self.graph, step, [])
+            cond = self._add_condition(self.graph, [first])
+            table = add_plan(self.graph, writer, [cond])
+            loop = self._add_while(self.graph, handle, ctx, [table])
+            nodes = []  # the body's copy of the decode kernels; deps on the writer (node 0) are dropped
+            for plan in body:
+                nodes.append(add_plan(loop, plan, [nodes[d - 1] for d in plan.deps if d > 0]))
+            needed = {d - 1 for plan in body for d in plan.deps if d > 0}
+            sinks = [n for i, n in enumerate(nodes) if i not in needed]
+            again = add_plan(loop, step, sinks)
+            self._add_condition(loop, [again])
+            self.exec = call(cu.cuGraphInstantiate, self.graph, 0)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _add(self, graph, function, grid, block, shared, values, deps, where):
+        node, cells, p = add_kernel_node(graph, function, grid, block, shared, values, deps, where)
+        self._keep.append((cells, p))
+        return node
+
+    def _add_condition(self, graph, deps):
+        function, values = self._condition
+        return self._add(graph, function, (1, 1, 1), 1, 0, values, deps, "generate set_condition")
+
+    def _add_while(self, graph, handle, ctx, deps):
+        """A WHILE conditional node after `deps`; returns its body graph (owned by the node)."""
+        cu = self._cu
+        p = cu.CUgraphNodeParams()
+        p.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        c = p.conditional
+        c.handle = handle
+        c.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
+        c.size = 1
+        c.ctx = ctx
+        check(cu.cuGraphAddNode(graph, deps, None, len(deps), p), "cuGraphAddNode (the generate WHILE node)")
+        self._keep.append(p)
+        return p.conditional.phGraph_out[0]
+
+    def launch(self, stream) -> None:
+        """One launch runs every new token."""
+        call(self._cu.cuGraphLaunch, self.exec, stream)

@@ -6,6 +6,10 @@
     device    cuInit, primary context; the GPU's arch picks the kernel binaries (PackageMismatchError)
     kernels   cuModuleLoadData + cuModuleGetFunction per kernel; opt in to >48 KiB shared memory
     weights   one cuMemAlloc for the weights region; each tensor copied to base + offset
+    state     the `state` entries checked and their initial bytes decoded once (state.plan_state);
+              every session allocates and initialises its own copy
+    generate  with a `generate` map: its step node and state entries checked (generate.GeneratePlan);
+              the runtime's set_condition kernel is JIT-loaded from PTX on the first generate()
 
 Everything that depends on a call (arena, table, outputs, graphs, stream) belongs to a Session.
 `instantiate` says when a session builds each graph: "lazy" (default) on the first call that
@@ -23,7 +27,9 @@ import numpy as np
 from . import driver, graph
 from .driver import call
 from .errors import GraceRuntimeError, InvalidPackageError, PackageMismatchError
+from .generate import SET_CONDITION_NAME, SET_CONDITION_PTX, GeneratePlan
 from .shapes import ShapePlan
+from .state import plan_state
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
 INSTANTIATE_MODES = ("lazy", "eager")
@@ -98,6 +104,8 @@ class LoadedPackage:
 
     `inputs` / `outputs`: lists of TensorSpec (name, dtype, shape, slot) in manifest order.
     `graph_names`: one per bucket; `plans[i]`: graph i's NodePlans; `shapes`: the ShapePlan.
+    `state`: the StateEntry list (empty for a stateless package); `generate`: the GeneratePlan, or
+    None when the package was compiled without --generate.
     """
 
     def __init__(self, package, device: int = 0, instantiate: str = "lazy"):
@@ -105,6 +113,7 @@ class LoadedPackage:
         self.device = None
         self.instantiate = instantiate
         self._modules, self.functions, self.weights_ptr = [], [], None
+        self._set_condition = None  # (module, function), loaded on the first generate()
         self._sessions = weakref.WeakSet()
         manifest = package.manifest
         self.manifest = manifest
@@ -116,6 +125,8 @@ class LoadedPackage:
         self.graph_names = self.shapes.graph_names
         self.plans = [graph.plan_graph(manifest, i) for i in range(len(manifest["graphs"]))]
         self.extents_offset = manifest["table"]["extents"]["offset"]  # symbol k: 8 bytes at + 8k
+        self.state = plan_state(manifest, package)
+        self.generate = GeneratePlan(manifest, self.state) if manifest.get("generate") else None
         self.device = driver.Device(device)
         try:
             self.arch = pick_arch(self.device.capability, manifest["archs"])
@@ -166,6 +177,21 @@ class LoadedPackage:
             host = np.frombuffer(data, dtype=np.uint8)  # a view of the package bytes: no copy
             driver.copy_htod(self.weights_ptr + w["offset"], host.ctypes.data, host.nbytes)
 
+    def set_condition_function(self):
+        """The runtime's set_condition kernel (generate.SET_CONDITION_PTX), JIT-compiled by the driver
+        for this GPU on first use and shared by the package's sessions."""
+        if self._set_condition is None:
+            self.device.make_current()
+            cu = driver.cuda()
+            module = call(cu.cuModuleLoadData, SET_CONDITION_PTX.encode() + b"\0")  # PTX: NUL-terminated text
+            try:
+                function = call(cu.cuModuleGetFunction, module, SET_CONDITION_NAME.encode())
+            except BaseException:
+                call(cu.cuModuleUnload, module)
+                raise
+            self._set_condition = (module, function)
+        return self._set_condition[1]
+
     # --- use
     def session(self, poison: bool = False, stream=None):
         """A Session: its own arena, table, output buffers, stream and graphs (instantiated as the
@@ -193,6 +219,9 @@ class LoadedPackage:
         if self.weights_ptr is not None:
             driver.mem_free(self.weights_ptr)
             self.weights_ptr = None
+        if self._set_condition is not None:
+            self._modules.append(self._set_condition[0])
+            self._set_condition = None
         for module in self._modules:
             call(cu.cuModuleUnload, module)
         self._modules, self.functions = [], []

@@ -22,6 +22,16 @@ from the device (synchronising the session's stream) the first time its shape is
 .numpy(), a protocol). That read is the only host round trip of the runtime, and only such outputs
 make it; run() itself never waits for the device.
 
+State (format 3.0, docs/design-state.md): a session allocates `regions.state` bytes of its own and
+initialises them when it is made (memset for `init: "zeros"`, a copy of the package's bytes for
+`init: "data"`); graphs update it in place, so it persists across run() calls. reset_state()
+initialises it again, ordered on the stream after the runs before it; read_state() copies it back.
+
+generate() (packages compiled with --generate): checks, reset_state(), ctrl, the prefill through
+run(), then one launch of the session's generation graph (graph.GenerationGraph, built on the first
+generate() and reused), which loops over the decode graph on the device until the step kernel says
+done. One sync at the end reads the count and the tokens.
+
 Streams: by default the session makes a stream that is *blocking* with respect to the legacy default
 stream, so work that torch or CuPy enqueue on their default stream is ordered with our launches in
 both directions, with no host synchronisation. If you produce inputs on another stream, synchronise
@@ -35,10 +45,11 @@ import functools
 import numpy as np
 
 from . import driver, dtypes
-from .arrays import DeviceArray, as_record
+from .arrays import DeviceArray, as_record, host_array, host_buffer
 from .driver import call
 from .errors import GraceRuntimeError, InputError, InvalidPackageError
-from .graph import ExecutableGraph, table_word_count
+from .generate import COUNT, require
+from .graph import ExecutableGraph, GenerationGraph, table_word_count
 from .validate import check_array, check_shape, check_writable
 
 
@@ -47,6 +58,7 @@ class Session:
 
     `instantiations`: {graph name: times instantiated} for the graphs built so far (each stays 1).
     `last_graph`: the name of the graph the last run() launched (None before the first).
+    `last_generate`: {"prompt", "new_tokens", "graph"} of the last generate() (None before the first).
     """
 
     def __init__(self, package, poison: bool = False, stream=None):
@@ -58,7 +70,9 @@ class Session:
         self._keep = None     # the last run's arguments: alive while the GPU may still read them
         self._stream = self._event = None
         self._own_stream = stream is None
-        self._arena = self._table = None
+        self._arena = self._table = self._state = None
+        self._generation_graph = None  # GenerationGraph, built by the first generate()
+        self.last_generate = None
         self._out_ptrs, self._staging = [], {}
         self._graphs = [None] * len(package.plans)  # ExecutableGraph per graph, once instantiated
         self.instantiations = {}
@@ -90,7 +104,12 @@ class Session:
                 for ptr, n in ((self._arena, regions["arena"]), (self._table, regions["table"]),
                                *zip(self._out_ptrs, out_nbytes)):
                     driver.memset_d8(ptr, 0xFF, n, self._stream)
-            self._bases = {"weights": package.weights_ptr, "arena": self._arena, "table": self._table}
+            state_nbytes = regions.get("state", 0)
+            if state_nbytes:
+                self._state = driver.mem_alloc(state_nbytes)
+            self._bases = {"weights": package.weights_ptr, "arena": self._arena, "table": self._table,
+                           "state": self._state or 0}
+            self.reset_state()
             if package.instantiate == "eager":
                 for g in range(len(self._graphs)):
                     self._instantiate(g)
@@ -150,6 +169,100 @@ class Session:
                 for o, (spec, shape) in enumerate(zip(self._outputs, out_shapes))}
 
     __call__ = run
+
+    # ----------------------------------------------------------------------------------- state
+    def reset_state(self) -> None:
+        """Give the state its initial values again (zeros, or the package's data), ordered on the
+        session's stream: after every run enqueued before, before every run enqueued after."""
+        self._check_open()
+        self._device.make_current()
+        for entry in self._package.state:
+            ptr = self._state + entry.offset
+            if entry.data is None:
+                driver.memset_d8(ptr, 0, entry.nbytes, self._stream)
+            else:
+                driver.copy_htod(ptr, entry.data.ctypes.data, entry.nbytes, self._stream)
+
+    def read_state(self, name: str | None = None):
+        """The state after every run enqueued so far (waits for them): {name: numpy array} in
+        manifest order, or the one array `name`. Each array has its entry's dtype and shape
+        (bfloat16 as float32, like DeviceArray.numpy())."""
+        self._check_open()
+        entries = self._package.state
+        if name is not None:
+            chosen = [e for e in entries if e.name == name]
+            if not chosen:
+                raise InputError(f"unknown state {name!r}; the package's state is {[e.name for e in entries]}")
+            entries = chosen
+        self.sync()
+        arrays = {e.name: self._read_entry(e) for e in entries}
+        return arrays[name] if name is not None else arrays
+
+    def _read_entry(self, entry, count: int | None = None) -> np.ndarray:
+        """Copy a state entry (or its first `count` elements, flattened) to the host."""
+        shape = entry.shape if count is None else (count,)
+        raw = host_buffer(entry.dtype, shape)
+        self._to_host(raw.ctypes.data, self._state + entry.offset, raw.nbytes)
+        return host_array(entry.dtype, raw)
+
+    # -------------------------------------------------------------------------------- generate
+    def generate(self, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> np.ndarray:
+        """Greedy decoding on the device: the new token ids (numpy int64, at most max_new_tokens; the
+        eos token is included when it ends the sequence). `prompt_ids`: 1-D or [1, P] ints.
+        Every argument is checked before anything runs; the state is reset first, so a generate()
+        never continues an earlier one."""
+        self._check_open()
+        plan = require(self._package.generate)
+        prompt, ctrl = plan.check(prompt_ids, max_new_tokens, eos_token_id)
+        prefill = plan.prefill_inputs(prompt)
+        self._shapes.prepare(plan.input_shapes(len(prompt)))  # the prefill's sizes select a graph (or InputError)
+        loop = self._generation_graph or self._build_generation_graph(plan)
+
+        self.reset_state()
+        self._device.make_current()
+        driver.copy_htod(self._state + plan.ctrl.offset, ctrl.ctypes.data, ctrl.nbytes, self._stream)
+        self.run(**prefill)
+        loop.launch(self._stream)
+        self._generation += 1  # the loop rewrote the output buffers
+
+        done = self._read_entry(plan.ctrl)  # waits for the loop
+        count = int(done[COUNT])
+        if not 0 <= count <= ctrl[1]:
+            raise InvalidPackageError(f"generate: the step kernel counted {count} tokens, outside "
+                                      f"[0, {int(ctrl[1])}]: a kernel of the package is wrong")
+        tokens = self._read_entry(plan.out_tokens, count)
+        self.last_generate = {"prompt": len(prompt), "new_tokens": count, "graph": self.last_graph}
+        return tokens
+
+    def _build_generation_graph(self, plan) -> GenerationGraph:
+        """The token loop for this session: the decode graph's nodes with table words for one token
+        (tokens / positions slots at next_token / next_position, outputs at the session's buffers),
+        fixed for the session's life."""
+        package = self._package
+        one = self._shapes.prepare(plan.input_shapes(1))
+        if one.graph != plan.decode_graph:
+            raise InvalidPackageError(
+                f"generate: decode_graph is {self._graph_names[plan.decode_graph]!r}, but one token selects "
+                f"graph {self._graph_names[one.graph]!r}")
+        words = one.words.copy()
+        at, slots = self._pointer_words, [s.slot for s in self._inputs]
+        words[at[slots[plan.tokens]]] = self._state + plan.next_token.offset
+        words[at[slots[plan.positions]]] = self._state + plan.next_position.offset
+        for spec, ptr in zip(self._outputs, self._out_ptrs):
+            words[at[spec.slot]] = ptr
+        decode = package.plans[plan.decode_graph]
+        self._device.make_current()
+        loop = GenerationGraph(decode[0], decode[1:], plan.step, package.set_condition_function(),
+                               self._state + plan.ctrl.offset, package.functions, self._bases, words,
+                               self._device.ctx)
+        self._generation_graph = loop
+        self.instantiations["generate"] = self.instantiations.get("generate", 0) + 1
+        loop.upload(self._stream)
+        return loop
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GraceRuntimeError("this session was closed")
 
     def _output_array(self, o: int, shape) -> DeviceArray:
         spec = self._outputs[o]
@@ -287,14 +400,15 @@ class Session:
         cu = driver.cuda()
         if self._stream is not None:
             call(cu.cuStreamSynchronize, self._stream)
-        for graph in self._graphs:
+        for graph in (*self._graphs, self._generation_graph):
             if graph is not None:
                 graph.destroy()
         self._graphs = [None] * len(self._graphs)
-        for ptr in (self._arena, self._table, *self._out_ptrs, *self._staging.values()):
+        self._generation_graph = None
+        for ptr in (self._arena, self._table, self._state, *self._out_ptrs, *self._staging.values()):
             if ptr is not None:
                 driver.mem_free(ptr)
-        self._arena = self._table = None
+        self._arena = self._table = self._state = None
         self._out_ptrs, self._staging, self._keep = [], {}, None
         if self._event is not None:
             call(cu.cuEventDestroy, self._event)

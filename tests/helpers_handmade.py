@@ -16,7 +16,7 @@ on the GPU runtime and on the CPU reference executor.
 `bug="partial_t"` builds a broken variant whose k_scale writes only the first 3 rows of t: the last
 row of `out` then reads arena memory nobody wrote (NaN when the arena is poisoned).
 
-2. `build_bucket_package`: format 2.0 shape buckets (docs/design-buckets.md), one input symbol
+2. `build_bucket_package`: shape buckets (docs/design-buckets.md), one input symbol
 `n` in [1, 64] served by three graphs (buckets n=16, 32, 64):
 
     out[n, 8] = x[n, 8] * 2 + b[8]            x: input, b: [8] weight
@@ -32,6 +32,15 @@ row of `out` then reads arena memory nobody wrote (NaN when the arena is poisone
 The kernels are the same in every graph (16-row tiles); a graph differs in its grid (bound / 16
 programs) and its arena. Padded rows of t are never written and never read: with a NaN-poisoned
 arena a kernel that ignored the true n would show NaN in the outputs.
+
+3. `build_counter_package`: session state (format 3.0, docs/design-state.md). A static package whose
+kernel updates two state entries in place on every run: `calls` (int64 [1], init "data", starts at
+10) += 1 and `acc` (float32 [4, 8], init "zeros") += x; out = acc + calls (`counter_reference`).
+
+4. `build_lm_package`: a `generate` map (SPEC.md §5.2). A "language model" whose next token is
+(token + position + 1) % 8, with a state `hist` the kernel scatters tokens into at their positions,
+the four generate.* state entries and a handmade step kernel (argmax + advance); `lm_reference`
+says what generate() returns.
 """
 
 from __future__ import annotations
@@ -242,7 +251,7 @@ def handmade_contents(
     slot = lambda off, nb=8: {"region": "table", "offset": off, "nbytes": nb, "dtype": "int64"}  # noqa: E731
     t_arg = {"region": "arena", "offset": 0, "nbytes": nbytes_xo, "dtype": dtype}
     manifest = {
-        "format_version": [2, 0],
+        "format_version": [3, 0],
         "producer": {"grace": "0.1.0", "torch": torch.__version__.split("+")[0], "triton": triton.__version__},
         "model": {"name": name},
         "archs": list(archs),
@@ -258,7 +267,8 @@ def handmade_contents(
             ],
             "extents": {"offset": table_nbytes, "count": 0},
         },
-        "regions": {"weights": weights_nbytes, "arena": 256, "table": table_nbytes},
+        "regions": {"weights": weights_nbytes, "arena": 256, "table": table_nbytes, "state": 0},
+        "state": [],
         "weights": [
             {"name": "w", "dtype": dtype, "shape": [ROWS, COLS], "offset": w_off, "nbytes": nbytes_xo},
             {"name": "b", "dtype": dtype, "shape": [COLS], "offset": b_off, "nbytes": nbytes_b},
@@ -410,7 +420,7 @@ def build_bucket_package(path, **kw) -> pathlib.Path:
 
 def bucket_contents(*, data_output: bool = False, archs: tuple[str, ...] = (ARCH,),
                     seed: int = 0) -> tuple[dict, dict[str, bytes]]:
-    """(manifest, sections) of the bucket package (format 2.0), float32."""
+    """(manifest, sections) of the bucket package (format 3.0, stateless), float32."""
     import torch
     import triton
 
@@ -445,7 +455,7 @@ def bucket_contents(*, data_output: bool = False, archs: tuple[str, ...] = (ARCH
     if data_output:
         outputs.append({"name": "head", "dtype": "float32", "shape": ["k", B_COLS], "slot": 2})
     manifest = {
-        "format_version": [2, 0],
+        "format_version": [3, 0],
         "producer": {"grace": "0.1.0", "torch": torch.__version__.split("+")[0], "triton": triton.__version__},
         "model": {"name": "handmade_buckets"},
         "archs": list(archs),
@@ -457,7 +467,8 @@ def bucket_contents(*, data_output: bool = False, archs: tuple[str, ...] = (ARCH
                   "slots": [{"name": nm, "role": "input" if i == 0 else "output", "offset": off, "rank": 2}
                             for i, (nm, off) in enumerate(zip(names, slot_offsets))],
                   "extents": {"offset": ext_offset, "count": n_symbols}},
-        "regions": {"weights": 4 * B_COLS, "arena": _t_nbytes(max(BUCKETS)), "table": table_nbytes},
+        "regions": {"weights": 4 * B_COLS, "arena": _t_nbytes(max(BUCKETS)), "table": table_nbytes, "state": 0},
+        "state": [],
         "weights": [{"name": "b", "dtype": "float32", "shape": [B_COLS], "offset": 0, "nbytes": 4 * B_COLS}],
         "arena_buffers": [{"name": "t", "offset": 0, "nbytes": _t_nbytes(max(BUCKETS)), "first": 1, "last": 2}],
         "kernels": kernels,
@@ -494,6 +505,242 @@ def _bucket_graph(bound, data_output, slot_offsets, ext_offset, n_symbols, table
     bucket = {"n": bound, **({"k": bound} if data_output else {})}
     return {"name": f"n={bound}", "bucket": bucket, "arena": _t_nbytes(bound), "nodes": nodes,
             "stats": {"kernels": len(nodes)}}
+
+
+# ------------------------------------------------------------------------------ state package
+
+C_ELEMS = ROWS * COLS        # x, out, acc: [4, 8] float32
+CALLS_START = 10             # initial value of the `calls` state entry (init "data")
+
+
+def _counter_source() -> str:
+    return f'''import triton
+import triton.language as tl
+
+
+@triton.jit
+def k_count(x_slot, out_slot, calls, acc):
+    # state: calls += 1 (int64, starts at {CALLS_START}), acc += x (float32 [{ROWS}, {COLS}], starts at 0);
+    # out = acc + calls. One program, one warp: the scalar load of calls precedes its store.
+    x_ptr = tl.load(x_slot).to(tl.pointer_type(tl.float32))
+    out_ptr = tl.load(out_slot).to(tl.pointer_type(tl.float32))
+    offs = tl.arange(0, {C_ELEMS})
+    c = tl.load(calls) + 1
+    a = tl.load(acc + offs) + tl.load(x_ptr + offs)
+    tl.store(acc + offs, a)
+    tl.store(out_ptr + offs, a + c.to(tl.float32))
+    tl.store(calls, c)
+'''
+
+
+def counter_reference(xs) -> tuple[np.ndarray, dict]:
+    """(out of the last run, state after the runs) for runs over the arrays `xs`, from a fresh state."""
+    acc = np.zeros(SHAPE, np.float32)
+    calls = CALLS_START
+    out = None
+    for x in xs:
+        acc = acc + x
+        calls += 1
+        out = acc + np.float32(calls)
+    return out, {"calls": np.array([calls], np.int64), "acc": acc}
+
+
+def build_counter_package(path, **kw) -> pathlib.Path:
+    """Write the state package to `path`; return the path. Keywords: see `counter_contents`."""
+    from grace.formats import write_package
+
+    path = pathlib.Path(path)
+    manifest, sections = counter_contents(**kw)
+    write_package(path, manifest, sections)
+    return path
+
+
+def counter_contents(*, archs: tuple[str, ...] = (ARCH,)) -> tuple[dict, dict[str, bytes]]:
+    """(manifest, sections) of a static package with session state (format 3.0):
+
+        node 0  table_writer(table, w0..w9)
+        node 1  k_count(x_slot, out_slot, calls, acc)    calls += 1; acc += x; out = acc + calls
+
+    `calls` (int64 [1], init "data": CALLS_START from the `state` section) and `acc` (float32 [4, 8],
+    init "zeros") persist across run() calls of one session; reset_state() restores them."""
+    from grace.formats import encode_weights
+
+    slot_offsets, table_nbytes = [0, 48], 96
+    word_offsets = [so // 8 + j for so in slot_offsets for j in range(5)]
+    specs = [("table_writer", "table_writer", table_writer_source(len(word_offsets), word_offsets),
+              {"table": "*i64", **{f"w{k}": "i64" for k in range(len(word_offsets))}}, 1),
+             ("k_count", "pointwise", _counter_source(),
+              {"x_slot": "*i64", "out_slot": "*i64", "calls": "*i64", "acc": "*fp32"}, 1)]
+    kernels, sections = _kernels_and_sections(specs, archs)
+    start = np.array([CALLS_START], np.int64)
+    sections["state"] = encode_weights({"calls": ("int64", (1,), start.tobytes())})
+    calls = {"region": "state", "offset": 0, "nbytes": 8, "dtype": "int64"}
+    acc = {"region": "state", "offset": 256, "nbytes": 4 * C_ELEMS, "dtype": "float32"}
+    slot = lambda off: {"region": "table", "offset": off, "nbytes": 40, "dtype": "int64"}  # noqa: E731
+    manifest = {
+        "format_version": [3, 0], "producer": {"grace": "0.1.0"}, "model": {"name": "handmade_counter"},
+        "archs": list(archs), "options": {"handmade": True}, "symbols": [],
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [ROWS, COLS], "slot": 0}],
+        "outputs": [{"name": "out", "dtype": "float32", "shape": [ROWS, COLS], "slot": 1}],
+        "table": {"nbytes": table_nbytes, "extents": {"offset": table_nbytes, "count": 0},
+                  "slots": [{"name": "x", "role": "input", "offset": 0, "rank": 2},
+                            {"name": "out", "role": "output", "offset": 48, "rank": 2}]},
+        "regions": {"weights": 0, "arena": 0, "table": table_nbytes, "state": 256 + 4 * C_ELEMS},
+        "weights": [],
+        "state": [{"name": "calls", "dtype": "int64", "shape": [1], "offset": 0, "nbytes": 8, "init": "data"},
+                  {"name": "acc", "dtype": "float32", "shape": [ROWS, COLS], "offset": 256,
+                   "nbytes": 4 * C_ELEMS, "init": "zeros"}],
+        "kernels": kernels,
+        "graphs": [{"name": "main", "bucket": {}, "arena": 0, "nodes": [
+            {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
+             "args": [{"region": "table", "offset": 0, "nbytes": table_nbytes}]
+             + [{"word": w} for w in range(len(word_offsets))]},
+            {"kernel": 1, "grid": [1, 1, 1], "deps": [0], "label": "count",
+             "args": [slot(0), slot(48), calls, acc]}]}],
+    }
+    return manifest, sections
+
+
+# ------------------------------------------------------------------------------ generate package
+
+LM_V, LM_SEQ = 8, 16          # vocabulary; tokens [1, seq], seq in [1, 16]; capacity 16 positions
+
+
+def _lm_source() -> str:
+    return f'''import triton
+import triton.language as tl
+
+
+@triton.jit
+def k_lm(tokens_slot, positions_slot, logits_slot, hist):
+    # A "language model" whose next token is (token + position + 1) % {LM_V}: logits[0, t, v] =
+    # -(v - target)^2. It also scatters each token into the state `hist` at its position (a KV
+    # cache in miniature: written at positions that exist only on the device).
+    tp = tl.load(tokens_slot).to(tl.pointer_type(tl.int64))
+    n = tl.load(tokens_slot + 2)
+    ts = tl.load(tokens_slot + 4)
+    pp = tl.load(positions_slot).to(tl.pointer_type(tl.int64))
+    ps = tl.load(positions_slot + 2)
+    lp = tl.load(logits_slot).to(tl.pointer_type(tl.float32))
+    l1 = tl.load(logits_slot + 5)
+    l2 = tl.load(logits_slot + 6)
+    t = tl.arange(0, {LM_SEQ})
+    m = t < n
+    tok = tl.load(tp + t * ts, mask=m, other=0)
+    pos = tl.load(pp + t * ps, mask=m, other=0)
+    tl.store(hist + pos, tok, mask=m & (pos >= 0) & (pos < {LM_SEQ}))
+    target = (tok + pos + 1) % {LM_V}
+    v = tl.arange(0, {LM_V})
+    d = (v[None, :] - target[:, None]).to(tl.float32)
+    tl.store(lp + t[:, None] * l1 + v[None, :] * l2, -(d * d), mask=m[:, None])
+'''
+
+
+def _step_source() -> str:
+    return f'''import triton
+import triton.language as tl
+
+
+@triton.jit
+def k_step(logits_slot, positions_slot, ctrl, out_tokens, next_token, next_position):
+    # SPEC.md 5.2: token = argmax(logits[-1]) -> out_tokens[count], next_token; positions[-1] + 1 ->
+    # next_position; count + 1 and done = (token == eos) | (count >= limit) -> ctrl. One warp.
+    lp = tl.load(logits_slot).to(tl.pointer_type(tl.float32))
+    n = tl.load(logits_slot + 2)
+    l1 = tl.load(logits_slot + 5)
+    l2 = tl.load(logits_slot + 6)
+    pp = tl.load(positions_slot).to(tl.pointer_type(tl.int64))
+    pn = tl.load(positions_slot + 1)
+    ps = tl.load(positions_slot + 2)
+    v = tl.arange(0, {LM_V})
+    row = tl.load(lp + (n - 1) * l1 + v * l2)
+    tok = tl.argmax(row, axis=0).to(tl.int64)
+    pos = tl.load(pp + (pn - 1) * ps)
+    count = tl.load(ctrl)
+    limit = tl.load(ctrl + 1)
+    eos = tl.load(ctrl + 2)
+    tl.store(out_tokens + count, tok)
+    tl.store(next_token, tok)
+    tl.store(next_position, pos + 1)
+    count = count + 1
+    done = (tok == eos) | (count >= limit)
+    tl.store(ctrl, count)
+    tl.store(ctrl + 3, done.to(tl.int64))
+'''
+
+
+def lm_reference(prompt, max_new_tokens: int, eos_token_id=None) -> np.ndarray:
+    """What generate() returns for the handmade LM (greedy, next = (token + position + 1) % V)."""
+    tok, pos = int(prompt[-1]), len(prompt) - 1
+    out = []
+    while len(out) < max_new_tokens:
+        tok, pos = (tok + pos + 1) % LM_V, pos + 1
+        out.append(tok)
+        if tok == eos_token_id:
+            break
+    return np.array(out, np.int64)
+
+
+def build_lm_package(path, **kw) -> pathlib.Path:
+    """Write the generate package to `path`; return the path. Keywords: see `lm_contents`."""
+    from grace.formats import write_package
+
+    path = pathlib.Path(path)
+    manifest, sections = lm_contents(**kw)
+    write_package(path, manifest, sections)
+    return path
+
+
+def lm_contents(*, archs: tuple[str, ...] = (ARCH,)) -> tuple[dict, dict[str, bytes]]:
+    """(manifest, sections) of a package with a `generate` map (format 3.0): idx [1, seq] and
+    input_pos [seq] (int64) -> logits [1, seq, 8]; one graph (bucket seq=16) that is also the decode
+    graph; state `hist` (int64 [16], zeros) plus the four generate.* entries; the step kernel k_step."""
+    slots = [("idx", "input", 0, 2), ("input_pos", "input", 48, 1), ("logits", "output", 80, 3)]
+    ext_offset, table_nbytes = 136, 144
+    word_offsets = [off // 8 + j for _, _, off, r in slots for j in range(1 + 2 * r)] + [ext_offset // 8]
+    n_words = len(word_offsets)
+    specs = [("table_writer", "table_writer", table_writer_source(n_words, word_offsets),
+              {"table": "*i64", **{f"w{k}": "i64" for k in range(n_words)}}, 1),
+             ("k_lm", "pointwise", _lm_source(),
+              {"tokens_slot": "*i64", "positions_slot": "*i64", "logits_slot": "*i64", "hist": "*i64"}, 1),
+             ("k_step", "reduction", _step_source(),
+              {"logits_slot": "*i64", "positions_slot": "*i64", "ctrl": "*i64", "out_tokens": "*i64",
+               "next_token": "*i64", "next_position": "*i64"}, 1)]
+    kernels, sections = _kernels_and_sections(specs, archs)
+    state = [("hist", [LM_SEQ], 0), ("generate.ctrl", [4], 256), ("generate.out_tokens", [LM_SEQ], 512),
+             ("generate.next_token", [1, 1], 768), ("generate.next_position", [1], 1024)]
+    entries = [{"name": n, "dtype": "int64", "shape": s, "offset": o, "nbytes": 8 * int(np.prod(s)),
+                "init": "zeros"} for n, s, o in state]
+    arg = {e["name"]: {"region": "state", "offset": e["offset"], "nbytes": e["nbytes"], "dtype": "int64"}
+           for e in entries}
+    slot_arg = {name: {"region": "table", "offset": off, "nbytes": 8 * (1 + 2 * r), "dtype": "int64"}
+                for name, _, off, r in slots}
+    step = {"kernel": 2, "grid": [1, 1, 1], "deps": [], "label": "generate_step",
+            "args": [slot_arg["logits"], slot_arg["input_pos"], arg["generate.ctrl"], arg["generate.out_tokens"],
+                     arg["generate.next_token"], arg["generate.next_position"]]}
+    manifest = {
+        "format_version": [3, 0], "producer": {"grace": "0.1.0"}, "model": {"name": "handmade_lm"},
+        "archs": list(archs), "options": {"handmade": True},
+        "symbols": [{"name": "seq", "kind": "input", "min": 1, "max": LM_SEQ, "sources": [[0, 1], [1, 0]]}],
+        "inputs": [{"name": "idx", "dtype": "int64", "shape": [1, "seq"], "slot": 0},
+                   {"name": "input_pos", "dtype": "int64", "shape": ["seq"], "slot": 1}],
+        "outputs": [{"name": "logits", "dtype": "float32", "shape": [1, "seq", LM_V], "slot": 2}],
+        "table": {"nbytes": table_nbytes, "extents": {"offset": ext_offset, "count": 1},
+                  "slots": [{"name": n, "role": role, "offset": off, "rank": r} for n, role, off, r in slots]},
+        "regions": {"weights": 0, "arena": 0, "table": table_nbytes, "state": 1280},
+        "weights": [], "state": entries, "kernels": kernels,
+        "graphs": [{"name": f"seq={LM_SEQ}", "bucket": {"seq": LM_SEQ}, "arena": 0, "nodes": [
+            {"kernel": 0, "grid": [1, 1, 1], "deps": [], "label": "table_writer",
+             "args": [{"region": "table", "offset": 0, "nbytes": table_nbytes}]
+             + [{"word": w} for w in range(n_words)]},
+            {"kernel": 1, "grid": [1, 1, 1], "deps": [0], "label": "lm",
+             "args": [slot_arg["idx"], slot_arg["input_pos"], slot_arg["logits"], arg["hist"]]}]}],
+        "generate": {"tokens": "idx", "positions": "input_pos", "logits": "logits", "capacity": LM_SEQ,
+                     "decode_graph": 0, "ctrl": "generate.ctrl", "out_tokens": "generate.out_tokens",
+                     "next_token": "generate.next_token", "next_position": "generate.next_position",
+                     "step": step},
+    }
+    return manifest, sections
 
 
 if __name__ == "__main__":  # python tests/helpers_handmade.py out.grace [dtype]

@@ -13,7 +13,7 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.helpers_handmade import build_handmade_package, make_weights, reference
 
-SUBCOMMANDS = ["compile", "inspect", "run", "bench", "verify"]
+SUBCOMMANDS = ["compile", "inspect", "run", "generate", "bench", "verify"]
 
 
 def grace(*args, cwd=None, timeout=300):
@@ -83,14 +83,16 @@ def test_inspect_json(pkg):
                 "table", "memory", "kernels", "graphs", "sections"):
         assert key in d, key
     assert d["model"]["name"] == "handmade"
-    assert d["format_version"][0] == 2
+    assert d["format_version"][0] == 3
     assert d["file_nbytes"] == os.path.getsize(pkg)
     assert set(d["producer"]) >= {"grace", "torch", "triton"}
     assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": [4, 8], "slot": 0}]
     assert d["outputs"][0]["name"] == "out"
     assert d["table"]["words"] == 10
     assert [s["first_word"] for s in d["table"]["slots"]] == [0, 5]
-    assert d["memory"]["regions"] == {"weights": 288, "arena": 256, "table": 96}
+    regions = d["memory"]["regions"]
+    assert {k: regions[k] for k in ("weights", "arena", "table")} == {"weights": 288, "arena": 256, "table": 96}
+    assert regions.get("state", 0) == 0
     assert d["memory"]["weights"]["count"] == 2
     assert d["memory"]["arena_buffers"]["largest"][0]["name"] == "t"
     names = [k["name"] for k in d["kernels"]]
@@ -398,3 +400,124 @@ def test_bench_inputs_follow_the_size_symbols():
         _symbol_sizes(manifest, ["len=3"])
     with pytest.raises(CliError, match=r"\[1, 512\]"):
         _symbol_sizes(manifest, ["seq=600"])
+
+
+# ---- generate -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("tokens=idx,positions=input_pos", {"tokens": "idx", "positions": "input_pos"}),
+    (" tokens = idx , positions=pos, logits=out ", {"tokens": "idx", "positions": "pos", "logits": "out"}),
+    (None, None),
+])
+def test_parse_generate(spec, expected):
+    from grace.tools.cli import parse_generate
+
+    assert parse_generate(spec) == expected
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("idx", "is not KEY=NAME"),
+    ("tokens=idx", "missing positions"),
+    ("positions=p", "missing tokens"),
+    ("tokens=idx,positions=p,vocab=9", "unknown key 'vocab'"),
+    ("tokens=a,tokens=b,positions=p", "tokens given twice"),
+    ("tokens=,positions=p", "is not KEY=NAME"),
+])
+def test_parse_generate_errors_name_the_form(spec, words):
+    from grace.tools.cli import CliError, parse_generate
+
+    with pytest.raises(CliError, match="expected tokens=INPUT,positions=INPUT") as e:
+        parse_generate(spec)
+    assert words in str(e.value)
+
+
+def test_compile_passes_generate(mlp_pt2, tmp_path, monkeypatch):
+    """--generate reaches aot.compile as generate={...}; without it the compiler gets none."""
+    import grace.aot
+    from grace.tools import cli
+
+    seen = []
+
+    def fake_compile(program, *a, output, **kw):
+        seen.append(kw)
+        output.write_bytes(b"")
+        return output
+
+    monkeypatch.setattr(grace.aot, "compile", fake_compile)
+    out = str(tmp_path / "m.grace")
+    assert cli.main(["compile", str(mlp_pt2), "-o", out, "--generate", "tokens=x,positions=p,logits=y"]) == 0
+    assert cli.main(["compile", str(mlp_pt2), "-o", out]) == 0
+    assert seen[0]["generate"] == {"tokens": "x", "positions": "p", "logits": "y"}
+    assert "generate" not in seen[1]
+
+
+def test_compile_bad_generate_one_line(tmp_path):
+    f = tmp_path / "m.pt2"
+    f.write_bytes(b"not a zip")
+    err = _one_line_error(grace("compile", f, "-o", tmp_path / "m.grace", "--generate", "tokens=idx"))
+    assert "--generate" in err and "missing positions" in err and "tokens=INPUT,positions=INPUT" in err
+
+
+@pytest.fixture
+def lm_pkg(tmp_path):
+    """The fake-cubin causal LM of test_runtime_state.py (a generate map; no real kernels)."""
+    try:
+        from test_runtime_state import write_lm
+    except ImportError:
+        from tests.test_runtime_state import write_lm
+    return write_lm(tmp_path / "lm.grace")
+
+
+def test_generate_needs_a_generate_package(pkg, tmp_path):
+    np.save(tmp_path / "ids.npy", np.array([1, 2]))
+    err = _one_line_error(grace("generate", pkg, "--prompt", tmp_path / "ids.npy", "--max-new-tokens", 3))
+    assert "not compiled with --generate" in err
+
+
+def test_generate_argument_errors_are_one_line(lm_pkg, tmp_path):
+    np.save(tmp_path / "f.npy", np.array([1.5]))
+    err = _one_line_error(grace("generate", lm_pkg, "--prompt", tmp_path / "f.npy", "--max-new-tokens", 3))
+    assert "integers" in err
+    err = _one_line_error(grace("generate", lm_pkg, "--prompt", tmp_path / "nope.npy", "--max-new-tokens", 3))
+    assert "no such file" in err
+    err = _one_line_error(grace("generate", lm_pkg, "--prompt", tmp_path / "f.npy", "--max-new-tokens", 0))
+    assert "--max-new-tokens must be >= 1" in err
+
+
+def test_generate_interpret_calls_the_reference_executor(lm_pkg, tmp_path, monkeypatch, capsys):
+    """--interpret: grace.tools.interpret.generate_package(pkg, prompt, max_new, eos) (stubbed here:
+    the package's cubins are fake), its ids printed and saved."""
+    import grace.tools.interpret as interpret
+    from grace.tools import cli
+
+    calls = []
+
+    def fake_generate(package, prompt, max_new_tokens, eos_token_id=None):
+        calls.append((package.manifest["model"]["name"], prompt.tolist(), max_new_tokens, eos_token_id))
+        return np.array([5, 6, 2], np.int64)
+
+    monkeypatch.setattr(interpret, "generate_package", fake_generate, raising=False)
+    np.save(tmp_path / "ids.npy", np.array([[1, 2, 3]]))
+    out = tmp_path / "new.npy"
+    assert cli.main(["generate", str(lm_pkg), "--prompt", str(tmp_path / "ids.npy"), "--max-new-tokens", "4",
+                     "--eos", "2", "--interpret", "--output", str(out)]) == 0
+    assert calls == [("tiny_lm", [[1, 2, 3]], 4, 2)]
+    text = capsys.readouterr().out
+    assert "5 6 2" in text and "tokens/s" in text and "3-token prompt" in text
+    assert np.load(out).tolist() == [5, 6, 2] and np.load(out).dtype == np.int64
+
+
+def test_generate_without_gpu_exits_2(lm_pkg, tmp_path):
+    try:
+        from cuda.bindings import driver
+
+        ok = driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS
+    except Exception:
+        ok = False
+    if ok:
+        pytest.skip("a CUDA driver is present: this test is for GPU-less machines")
+    np.save(tmp_path / "ids.npy", np.array([1, 2]))
+    err = _one_line_error(grace("generate", lm_pkg, "--prompt", tmp_path / "ids.npy", "--max-new-tokens", 3),
+                          code=2)
+    assert "--interpret" in err

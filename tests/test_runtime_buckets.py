@@ -32,7 +32,7 @@ except ImportError:  # tests/ imported as a package
 # ------------------------------------------------------------------------ manifests for the tests
 
 def make_manifest(symbols, inputs, outputs, buckets, arenas=None) -> dict:
-    """A valid format-2.0 manifest around the given shapes.
+    """A valid format-3.0 manifest (stateless) around the given shapes.
 
     `inputs` / `outputs`: [(name, shape)]; one table slot each (inputs first, 16-aligned), the
     extents words after the last slot. `buckets`: one {symbol: bound} per graph, named by its input
@@ -76,7 +76,7 @@ def make_manifest(symbols, inputs, outputs, buckets, arenas=None) -> dict:
                                       {"region": "arena", "offset": 0, "nbytes": arena, "dtype": "float32"}]}]}
 
     return {
-        "format_version": [2, 0], "producer": {"grace": "0.1.0"}, "model": {"name": "buckets"},
+        "format_version": [3, 0], "producer": {"grace": "0.1.0"}, "model": {"name": "buckets"},
         "archs": ["sm_90"], "options": {}, "symbols": symbols,
         "inputs": [{"name": n, "dtype": "float32", "shape": list(s), "slot": i} for i, (n, s) in enumerate(inputs)],
         "outputs": [{"name": n, "dtype": "float32", "shape": list(s), "slot": len(inputs) + i}
@@ -84,7 +84,7 @@ def make_manifest(symbols, inputs, outputs, buckets, arenas=None) -> dict:
         "table": {"nbytes": table_nbytes, "extents": {"offset": ext_offset, "count": len(symbols)},
                   "slots": [{"name": n, "role": role, "offset": off, "rank": len(s)}
                             for off, (n, s, role) in zip(offsets, io)]},
-        "regions": {"weights": 0, "arena": max(arenas), "table": table_nbytes},
+        "regions": {"weights": 0, "arena": max(arenas), "table": table_nbytes, "state": 0}, "state": [],
         "weights": [], "arena_buffers": [], "kernels": [writer, body],
         "graphs": [graph_of(b, a) for b, a in zip(buckets, arenas)],
     }
@@ -106,7 +106,7 @@ def two_symbol_manifest() -> dict:
     return make_manifest(symbols, inputs, outputs, buckets)
 
 
-def test_test_manifests_are_valid_format_2():
+def test_test_manifests_are_valid_format_3():
     from grace.formats import validate_manifest
 
     validate_manifest(two_symbol_manifest())

@@ -40,7 +40,7 @@ def manifest(**over) -> dict:
     A static package: no symbols, one graph with an empty bucket."""
     writer_params = [{"name": "table", "type": "*i64"}] + [{"name": f"w{k}", "type": "i64"} for k in range(N_WORDS)]
     m = {
-        "format_version": [2, 0],
+        "format_version": [3, 0],
         "producer": {"grace": "0.1.0"},
         "model": {"name": "scale_add"},
         "archs": ["sm_90"],
@@ -51,7 +51,8 @@ def manifest(**over) -> dict:
         "table": {"nbytes": 96, "slots": [{"name": "x", "role": "input", "offset": 0, "rank": 2},
                                           {"name": "out", "role": "output", "offset": 48, "rank": 2}],
                   "extents": {"offset": 88, "count": 0}},
-        "regions": {"weights": W_BYTES, "arena": 256, "table": 96},
+        "regions": {"weights": W_BYTES, "arena": 256, "table": 96, "state": 0},
+        "state": [],
         "weights": [{"name": "w", "dtype": "float32", "shape": [ROWS, COLS], "offset": 0, "nbytes": W_BYTES}],
         "arena_buffers": [],
         "kernels": [
@@ -324,7 +325,9 @@ def _graph_arena(m, arena):
      InvalidPackageError, "this graph's arena has 64 bytes"),
     (_graph_arena(manifest(), 512), InvalidPackageError, "uses 512 bytes of arena, but the arena region has 256"),
     (_node_arg(manifest(), 0, 3, {"word": N_WORDS}), InvalidPackageError, "table has 10 words"),
-    (_node_arg(manifest(), 1, 1, {"region": "state", "offset": 0}), PackageMismatchError, "region 'state'"),
+    (_node_arg(manifest(), 1, 1, {"region": "state", "offset": 0, "nbytes": 8}),  # regions.state is 0
+     InvalidPackageError, r"covers \[0, 8\) of region state, but region state has 0 bytes"),
+    (_node_arg(manifest(), 1, 1, {"region": "scratch", "offset": 0}), PackageMismatchError, "region 'scratch'"),
 ])
 def test_plan_graph_rejects(m, error, message):
     with pytest.raises(error, match=message):

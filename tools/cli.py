@@ -1,4 +1,4 @@
-"""The `grace` command: compile | inspect | run | bench | verify.
+"""The `grace` command: compile | inspect | run | generate | bench | verify.
 
 User errors (a bad or corrupt package, wrong inputs, no GPU) print one line to stderr and exit with
 a non-zero code; tracebacks are for bugs (or `grace --traceback ...`).
@@ -157,6 +157,35 @@ def _bucket_sizes(name: str, values: str) -> list[int]:
     return sizes
 
 
+_GENERATE_FORM = ("expected tokens=INPUT,positions=INPUT[,logits=OUTPUT] "
+                  "(e.g. --generate tokens=idx,positions=input_pos)")
+_GENERATE_KEYS = ("tokens", "positions", "logits")
+
+
+def parse_generate(spec: str | None) -> dict[str, str] | None:
+    """`--generate tokens=idx,positions=input_pos[,logits=out]` -> {"tokens": "idx", ...}.
+
+    The form is checked here, before torch is imported; whether the names are inputs/outputs of the
+    program is the compiler's check."""
+    if spec is None:
+        return None
+    names: dict[str, str] = {}
+    for item in spec.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or not key or not value:
+            raise CliError(f"--generate {spec!r}: {item.strip()!r} is not KEY=NAME; {_GENERATE_FORM}")
+        if key not in _GENERATE_KEYS:
+            raise CliError(f"--generate {spec!r}: unknown key {key!r} (keys: {', '.join(_GENERATE_KEYS)}); "
+                           f"{_GENERATE_FORM}")
+        if key in names:
+            raise CliError(f"--generate {spec!r}: {key} given twice; {_GENERATE_FORM}")
+        names[key] = value
+    missing = [k for k in ("tokens", "positions") if k not in names]
+    if missing:
+        raise CliError(f"--generate {spec!r}: missing {' and '.join(missing)}; {_GENERATE_FORM}")
+    return names
+
+
 def _no_device(e: Exception) -> CliError:
     msg = _one_line(e)
     return CliError(msg if "--interpret" in msg else f"{msg}; {INTERPRET_HINT}", EXIT_NO_DEVICE)
@@ -209,6 +238,7 @@ def cmd_compile(args) -> int:
     if bad:
         raise CliError(f"--arch {bad[0]!r}: expected names like sm_80, sm_90, sm_100")
     buckets = parse_buckets(args.buckets)
+    generate = parse_generate(args.generate)
     try:
         import torch
     except ImportError as e:
@@ -262,6 +292,8 @@ def cmd_compile(args) -> int:
     name = args.name or Path(src).stem
     # only passed when given: without it the compiler picks its default buckets
     extra = {"buckets": buckets} if buckets else {}
+    if generate is not None:
+        extra["generate"] = generate
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
         path = aot.compile(ep, output=output, archs=tuple(dict.fromkeys(archs)), name=name, progress=True,
@@ -332,6 +364,59 @@ def cmd_run(args) -> int:
     if args.output:
         np.savez(args.output, **{k: np.asarray(v) for k, v in outputs.items()})
         console.print(f"wrote {args.output}")
+    return 0
+
+
+def _load_prompt(path: str):
+    """The prompt ids from a .npy file: 1-D or [1, P] integers (the runtime checks the limits)."""
+    import numpy as np
+
+    if not os.path.isfile(path):
+        raise CliError(f"--prompt {path}: no such file")
+    try:
+        prompt = np.load(path, allow_pickle=False)
+    except Exception as e:
+        raise CliError(f"--prompt {path} is not a readable .npy file ({_one_line(e)})") from e
+    if not isinstance(prompt, np.ndarray):
+        raise CliError(f"--prompt {path} holds several arrays (.npz); give a .npy file of token ids")
+    if prompt.dtype.kind not in "iu":
+        raise CliError(f"--prompt {path}: token ids must be integers, got {prompt.dtype}")
+    return prompt
+
+
+def cmd_generate(args) -> int:
+    import numpy as np
+
+    pkg = _read(args.package, verify=True)
+    if not pkg.manifest.get("generate"):
+        raise CliError(f"{args.package} was not compiled with --generate, so it cannot generate; compile "
+                       "it with `grace compile ... --generate tokens=NAME,positions=NAME`")
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    prompt = _load_prompt(args.prompt)
+    t0 = time.perf_counter()
+    if args.interpret:
+        from grace.tools.interpret import generate_package
+
+        tokens = generate_package(pkg, prompt, args.max_new_tokens, args.eos)
+        mode = "interpreter (CPU)"
+    else:
+        rt = _runtime()
+        try:
+            sess = rt.load(args.package, device=args.device).session()
+            t0 = time.perf_counter()  # the generation, not the load
+            tokens = sess.generate(prompt, args.max_new_tokens, eos_token_id=args.eos)
+        except getattr(rt, "NoDeviceError", ()) as e:
+            raise _no_device(e) from e
+        mode = f"GPU {args.device}"
+    dt = time.perf_counter() - t0
+    tokens = np.asarray(tokens, dtype=np.int64)
+    print(" ".join(str(int(t)) for t in tokens))
+    rate = f"{len(tokens) / dt:.1f} tokens/s" if dt > 0 else "-"
+    print(f"{len(tokens)} new tokens after a {prompt.size}-token prompt on {mode} in {dt * 1e3:.1f} ms ({rate})")
+    if args.output:
+        np.save(args.output, tokens)
+        print(f"wrote {args.output}")
     return 0
 
 
@@ -427,6 +512,8 @@ examples:
   grace inspect model.grace --json > model.json
   grace run model.grace --input x=x.npy --output out.npz
   grace run model.grace --input x=x.npy --interpret        # CPU, no GPU needed
+  grace compile lm.pt2 -o lm.grace --generate tokens=idx,positions=input_pos
+  grace generate lm.grace --prompt ids.npy --max-new-tokens 32 --output new.npy
   grace bench model.grace --iters 200
   grace verify model.grace
 
@@ -472,7 +559,11 @@ def build_parser() -> argparse.ArgumentParser:
         "  # a dynamic sequence length, exported with\n"
         "  #   dynamic_shapes={'input_ids': {1: torch.export.Dim('seq', min=1, max=512)}}\n"
         "  grace compile bert.pt2 -o bert.grace        # default buckets: 16,32,64,128,256,512\n"
-        "  grace compile bert.pt2 -o bert.grace --buckets input_ids.1=64,128,256,512\n",
+        "  grace compile bert.pt2 -o bert.grace --buckets input_ids.1=64,128,256,512\n"
+        "\n"
+        "  # a causal LM with a KV cache (mutated buffers), for `grace generate`\n"
+        "  grace compile lm.pt2 -o lm.grace --generate tokens=idx,positions=input_pos\n"
+        "  grace compile lm.pt2 -o lm.grace --generate tokens=idx,positions=input_pos,logits=logits\n",
         formatter_class=_Formatter,
     )
     c.add_argument("exported", metavar="EXPORTED.pt2", help="file written by torch.export.save")
@@ -491,6 +582,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "share the first bucket) covering the dimension's exported range, the last bucket "
                         "being the range's maximum. Fewer buckets make a smaller package and fewer graphs; "
                         "more buckets pad less (a call runs at its bucket's size, masked to the true size)")
+    c.add_argument("--generate", metavar="tokens=IN,positions=IN[,logits=OUT]",
+                   help="compile a causal LM for `grace generate` / Session.generate: the input that takes "
+                        "the token ids ([1, seq] int64), the input that takes their positions in the KV "
+                        "cache ([seq] int64) and optionally the logits output (default: the first output). "
+                        "Adds a one-token decode graph and the on-device argmax step; the token loop then "
+                        "runs on the GPU with no host round trip per token")
     c.set_defaults(func=cmd_compile)
 
     i = sub.add_parser(
@@ -527,6 +624,30 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-poison", action="store_true", help="do not fill the arena with NaN before running")
     r.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     r.set_defaults(func=cmd_run)
+
+    g = sub.add_parser(
+        "generate",
+        help="greedy token generation with a package compiled with --generate",
+        description="Generate tokens greedily (argmax) from a prompt of token ids: a prefill run over the "
+        "prompt, then the whole decode loop as one CUDA graph launch (a WHILE conditional node; no host "
+        "round trip per token). Stops after --max-new-tokens or at --eos (included in the output). "
+        "Prints the new ids and tokens/s; --output saves them as an int64 .npy file. --interpret runs the "
+        "same kernels on the CPU with Triton's interpreter.",
+        epilog="examples:\n"
+        "  python -c \"import numpy as np; np.save('ids.npy', np.array([1, 15043, 29892]))\"\n"
+        "  grace generate lm.grace --prompt ids.npy --max-new-tokens 32\n"
+        "  grace generate lm.grace --prompt ids.npy --max-new-tokens 64 --eos 2 --output new.npy\n"
+        "  grace generate lm.grace --prompt ids.npy --max-new-tokens 4 --interpret   # CPU\n",
+        formatter_class=_Formatter,
+    )
+    g.add_argument("package", metavar="MODEL.grace")
+    g.add_argument("--prompt", required=True, metavar="IDS.npy", help="prompt token ids: 1-D or [1, P] integers")
+    g.add_argument("--max-new-tokens", type=int, required=True, metavar="N", help="tokens to generate at most")
+    g.add_argument("--eos", type=int, default=None, metavar="ID", help="stop after this token id")
+    g.add_argument("--output", metavar="TOKENS.npy", help="write the new token ids (int64) to this .npy file")
+    g.add_argument("--interpret", action="store_true", help="run on the CPU with Triton's interpreter (no GPU)")
+    g.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser(
         "bench",

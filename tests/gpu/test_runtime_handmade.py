@@ -1,6 +1,6 @@
 """The runtime on a real GPU, with packages built by hand (no grace.aot). Run with `pytest -m gpu`.
 
-1. A static package (format 2.0, no symbols):
+1. A static package (format 3.0, no symbols, no state):
 
     out = x * 2 + w        x: [4, 32] float32 input, w: [4, 32] weight, out: [4, 32] output
 
@@ -10,6 +10,12 @@
 2. The shape-bucket package of tests/helpers_handmade.py (`build_bucket_package`), compiled for this
    GPU's arch: out[n, 8] = x[n, 8] * 2 + b, n in [1, 64] served by graphs n=16/32/64, and head[k, 8]
    = out[:k] with k = #{r < n : x[r, 0] > 0} computed on the device (a data symbol).
+
+3. Session state (format 3.0): the counter package of tests/helpers_handmade.py, whose kernel
+   updates `calls` (+1, starts at 10 from the package's data) and `acc` (+x, zeros) in place.
+
+4. generate(): the handmade LM of tests/helpers_handmade.py (next token = (token + position + 1) % 8,
+   a handmade step kernel): prefill, then the token loop as one graph launch with a WHILE node.
 """
 
 from __future__ import annotations
@@ -25,10 +31,12 @@ import pytest
 from grace.runtime import InputError, NoDeviceError, StaleOutputError, driver, load
 
 try:
-    from tests.helpers_handmade import B_COLS, build_bucket_package, bucket_reference, bucket_weights
+    from tests import helpers_handmade as hm
 except ImportError:  # run from another directory: tests/ is the parent of this file's directory
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-    from helpers_handmade import B_COLS, build_bucket_package, bucket_reference, bucket_weights
+    import helpers_handmade as hm
+B_COLS, build_bucket_package, bucket_reference, bucket_weights = (
+    hm.B_COLS, hm.build_bucket_package, hm.bucket_reference, hm.bucket_weights)
 
 pytestmark = pytest.mark.gpu
 
@@ -116,7 +124,7 @@ def package_path(tmp_path_factory, capability):
     sections["weights"] = encode_weights({"w": ("float32", WEIGHT.shape, WEIGHT.tobytes())})
     table_arg = lambda off, nbytes=8: {"region": "table", "offset": off, "nbytes": nbytes, "dtype": "int64"}  # noqa: E731
     manifest = {
-        "format_version": [2, 0],
+        "format_version": [3, 0],
         "producer": {"grace": "0.1.0", "handmade": True},
         "model": {"name": "scale_add"},
         "archs": [arch],
@@ -128,7 +136,8 @@ def package_path(tmp_path_factory, capability):
             {"name": "x", "role": "input", "offset": SLOT_OFFSETS[0], "rank": 2},
             {"name": "out", "role": "output", "offset": SLOT_OFFSETS[1], "rank": 2}],
             "extents": {"offset": TABLE_NBYTES, "count": 0}},
-        "regions": {"weights": NBYTES, "arena": 256, "table": TABLE_NBYTES},
+        "regions": {"weights": NBYTES, "arena": 256, "table": TABLE_NBYTES, "state": 0},
+        "state": [],
         "weights": [{"name": "w", "dtype": "float32", "shape": [ROWS, COLS], "offset": 0, "nbytes": NBYTES}],
         "arena_buffers": [],
         "kernels": [_kernel_entry("table_writer", "table_writer", *kernels["table_writer"], arch),
@@ -362,5 +371,138 @@ def test_bucket_sizes_out_of_range_fail_before_launch(bucket_path):
                 sess.run(bad)
         _check(good, x)  # nothing ran: the earlier outputs are not stale
         assert sess.instantiations == {"n=16": 1}
+    finally:
+        pkg.close()
+
+
+# ------------------------------------------------------------------------------- session state
+
+@pytest.fixture(scope="module")
+def counter_path(tmp_path_factory, capability):
+    arch = f"sm_{capability[0]}{capability[1]}"
+    return hm.build_counter_package(tmp_path_factory.mktemp("state") / "counter.grace", archs=(arch,))
+
+
+def _xs(n, seed=0):
+    return [np.random.default_rng(seed + i).standard_normal(hm.SHAPE).astype(np.float32) for i in range(n)]
+
+
+def _check_state(sess, xs):
+    want_out, want_state = hm.counter_reference(xs)
+    state = sess.read_state()
+    assert list(state) == ["calls", "acc"]
+    np.testing.assert_array_equal(state["calls"], want_state["calls"])
+    np.testing.assert_allclose(state["acc"], want_state["acc"], rtol=1e-6, atol=1e-6)
+    return want_out
+
+
+def test_state_persists_across_runs(counter_path):
+    pkg = load(counter_path)
+    try:
+        sess = pkg.session(poison=True)  # poison fills the arena, never the state
+        assert sess.read_state("calls").tolist() == [hm.CALLS_START] and not sess.read_state("acc").any()
+        xs = _xs(3)
+        for i, x in enumerate(xs):
+            out = sess.run(x)["out"].numpy()
+            np.testing.assert_allclose(out, _check_state(sess, xs[:i + 1]), rtol=1e-6, atol=1e-6)
+    finally:
+        pkg.close()
+
+
+def test_reset_state_is_ordered_after_earlier_runs(counter_path):
+    pkg = load(counter_path)
+    try:
+        sess = pkg.session()
+        xs = _xs(2, seed=10)
+        for x in xs:
+            sess.run(x)
+        sess.reset_state()  # no sync before: the reset waits for the runs on the stream
+        assert sess.read_state("calls").tolist() == [hm.CALLS_START] and not sess.read_state("acc").any()
+        out = sess.run(xs[0])["out"].numpy()
+        np.testing.assert_allclose(out, _check_state(sess, xs[:1]), rtol=1e-6, atol=1e-6)
+    finally:
+        pkg.close()
+
+
+def test_two_sessions_have_separate_state(counter_path):
+    pkg = load(counter_path)
+    try:
+        s1, s2 = pkg.session(), pkg.session()
+        a, b = _xs(3, seed=20), _xs(1, seed=30)
+        for x in a:
+            s1.run(x)
+        s2.run(b[0])
+        _check_state(s1, a)
+        _check_state(s2, b)
+    finally:
+        pkg.close()
+
+
+# ------------------------------------------------------------------------------- generate
+
+@pytest.fixture(scope="module")
+def lm_path(tmp_path_factory, capability):
+    arch = f"sm_{capability[0]}{capability[1]}"
+    return hm.build_lm_package(tmp_path_factory.mktemp("lm") / "lm.grace", archs=(arch,))
+
+
+@pytest.mark.parametrize("prompt, max_new, eos", [
+    ([3, 1], 6, None),
+    ([5], 10, 2),                     # stops at the eos token (included)
+    (list(range(8)), 9, None),        # prompt + new tokens - 1 == capacity
+    ([4], 1, None),                   # the first step alone: the WHILE body never runs
+    ([1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0], 1, None),  # the longest prompt
+])
+def test_generate_runs_the_token_loop_on_the_device(lm_path, prompt, max_new, eos):
+    pkg = load(lm_path)
+    try:
+        sess = pkg.session(poison=True)
+        got = sess.generate(np.array(prompt), max_new, eos_token_id=eos)
+        want = hm.lm_reference(prompt, max_new, eos)
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+        # the cache holds every token fed to the model: the prompt, then each new token but the last
+        fed = list(prompt) + got.tolist()[:-1]
+        assert sess.read_state("hist")[:len(fed)].tolist() == fed
+        assert sess.read_state("generate.ctrl").tolist()[0] == len(want)
+    finally:
+        pkg.close()
+
+
+def test_the_generation_graph_is_reused(lm_path):
+    pkg = load(lm_path)
+    try:
+        sess = pkg.session()
+        for prompt, n in (([3, 1], 6), ([7], 3), ([0, 0, 0], 5), ([3, 1], 6)):
+            assert sess.generate(prompt, n).tolist() == hm.lm_reference(prompt, n).tolist()
+        assert sess.instantiations == {"seq=16": 1, "generate": 1}
+        # run() still works after generate() (it rewrites the whole table)
+        logits = sess.run(idx=np.array([[2, 5]]), input_pos=np.array([0, 1]))["logits"].numpy()
+        assert logits.shape == (1, 2, hm.LM_V) and logits[0].argmax(-1).tolist() == [3, 7]
+    finally:
+        pkg.close()
+
+
+def test_generate_sessions_are_independent(lm_path):
+    pkg = load(lm_path)
+    try:
+        s1, s2 = pkg.session(), pkg.session()
+        a, b = s1.generate([3, 1], 6), s2.generate([5], 4)
+        assert a.tolist() == hm.lm_reference([3, 1], 6).tolist() and b.tolist() == hm.lm_reference([5], 4).tolist()
+        assert s1.read_state("hist")[:7].tolist() == [3, 1, *a.tolist()[:5]]
+    finally:
+        pkg.close()
+
+
+def test_generate_rejects_bad_arguments_before_launch(lm_path):
+    pkg = load(lm_path)
+    try:
+        sess = pkg.session()
+        first = sess.generate([3, 1], 4)
+        for args, message in [(([], 3), "empty"), ((list(range(8)), 10), "capacity of 16"),
+                              (([1], 0), "max_new_tokens"), ((list(range(17)), 1), r"\[1, 16\]")]:
+            with pytest.raises(InputError, match=message):
+                sess.generate(*args)
+        hist = sess.read_state("hist")  # untouched by the failed calls
+        assert hist[:5].tolist() == [3, 1, *first.tolist()[:3]]
     finally:
         pkg.close()
