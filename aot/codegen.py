@@ -11,7 +11,7 @@ import hashlib
 from dataclasses import dataclass
 
 from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, Writer, and_mask, factor_terms
-from .ir import EXTENTS, Kernel, numel
+from .ir import EXTENTS, Index, Kernel, contiguous_strides, numel
 from .shapes import is_prefix, true_size
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
@@ -108,6 +108,40 @@ def pointwise(kernel: Kernel, w: Writer):
         ctx.mask = and_mask(w, "valid", mask, ctx.valid(kernel.ext))
     value = ExprEmitter(w).value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{block}]")
+    return (cdiv(n, block), 1, 1), (4 if block >= 512 else 2 if block >= 128 else 1), 1
+
+
+# ---- in-place partial writes (KV-cache updates) ---------------------------------------------
+def scatter(kernel: Kernel, w: Writer):
+    """Store a value per element of an index space at a computed position of `out` (a state
+    buffer, or an arena copy): `out[coords(i)] = value(i)`. Positions outside `out` are not
+    written (an out-of-range index would otherwise corrupt neighbouring state)."""
+    n = numel(kernel.out_shape)
+    block = min(1024, next_pow2(max(n, 16)))
+    idx_t = "tl.int64" if n >= 2**31 else "tl.int32"
+    w.emit(f"offs = tl.program_id(0).to({idx_t}) * {block} + tl.arange(0, {block})")
+    mask = _mask(w, "mask", None if n % block == 0 else f"offs < {n}")
+    w.emit(f"zero = tl.zeros([{block}], tl.int32)")
+    ctx = Ctx(w, kernel.out_shape, linear="offs", mask=mask, zero="zero")
+    if kernel.ext is not None:
+        _exit_outer(w, kernel.out_shape, kernel.ext, f"tl.program_id(0) * {block}")
+        ctx.mask = and_mask(w, "valid", mask, ctx.valid(kernel.ext))
+    emitter = ExprEmitter(w)
+    value = emitter.value(kernel.epilogue, ctx)
+    shape = kernel.out.shape
+    strides = contiguous_strides(shape)
+    terms, bounds = [], []
+    for d, coord in enumerate(kernel.inputs["coords"]):
+        c = emitter.value(coord, ctx)
+        if not isinstance(coord, Index):
+            bounds.append(f"({c} >= 0) & ({c} < {shape[d]})")
+        if shape[d] != 1:
+            terms.append(f"{c}.to(tl.int64) * {strides[d]}")
+    masks = ([] if ctx.mask == "None" else [f"({ctx.mask})"]) + bounds
+    addr = " + ".join(terms) or "0"
+    store_mask = f", mask=tl.broadcast_to({' & '.join(masks)}, [{block}])" if masks else ""
+    w.emit(f"tl.store({w.ptr(kernel.out)} + tl.broadcast_to({addr}, [{block}]), "
+           f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[kernel.out.dtype]}){store_mask})")
     return (cdiv(n, block), 1, 1), (4 if block >= 512 else 2 if block >= 128 else 1), 1
 
 
@@ -439,6 +473,25 @@ def attention(kernel: Kernel, w: Writer):
     mask_v = _mask(w, "mask_v", None if n_even else _and_terms(
                        f"(rn[:, None] < {lk})", _dim_valid(w, lk_ext, "rn[:, None]")),
                    None if dv == bdv else f"(rdv[None, :] < {dv})")
+    kvalid = _dim_valid(w, lk_ext, "rn[None, :]")
+    masked_block = "mask" in p
+    if "mask" in p:
+        # the mask first: a key block it rules out entirely (False, or -inf when additive: a decode
+        # step's keys past the current position in a static cache) contributes nothing to the
+        # softmax, so it is skipped before its keys and values are loaded
+        w.emit(f"mask_s = (rm[:, None] < {lq}) & (rn[None, :] < {lk})"
+               + (f" & {q_valid}" if q_valid else "") + (f" & {kvalid}" if kvalid else ""))
+        w.emit(f"zero_s = tl.zeros([{bm}, {bn}], tl.int32)")
+        sctx = Ctx(w, (b, h, lq, lk), ["ib", "ih", "rm[:, None]", "rn[None, :]"], mask="mask_s",
+                   zero="zero_s")
+        mv = ExprEmitter(w).value(p["mask"], sctx)
+        if p["mask"].dtype == "bool":
+            w.emit(f"keep = mask_s & ({mv} != 0)")
+        else:
+            w.emit(f"madd = {mv}.to(tl.float32)")
+            w.emit("keep = mask_s & (madd > -float(\"inf\"))")
+        w.emit("if tl.max(keep.to(tl.int32)) > 0:")
+        w.indent += 1
     w.emit(f"zero_k = tl.zeros([{bd}, {bn}], tl.int32)")
     w.emit(f"zero_v = tl.zeros([{bn}, {bdv}], tl.int32)")
     kctx = Ctx(w, (b, h, lk, d), ["ib", "ih", "rn[None, :]", "rd[:, None]"], mask=mask_k,
@@ -447,21 +500,14 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"kt = {_masked(kt, mask_k)}.to({tl_dot})")
     w.emit(f"s = tl.dot(q, kt{prec}) * {p['scale']!r}")
     w.emit(f"valid = (rn[None, :] < {lk}) & (rm[:, None] >= 0)")
-    kvalid = _dim_valid(w, lk_ext, "rn[None, :]")
     _and_into(w, "valid", kvalid)
     if p["causal"]:
         w.emit("valid = valid & (rn[None, :] <= rm[:, None])")
     if "mask" in p:
-        w.emit(f"mask_s = (rm[:, None] < {lq}) & (rn[None, :] < {lk})"
-               + (f" & {q_valid}" if q_valid else "") + (f" & {kvalid}" if kvalid else ""))
-        w.emit(f"zero_s = tl.zeros([{bm}, {bn}], tl.int32)")
-        sctx = Ctx(w, (b, h, lq, lk), ["ib", "ih", "rm[:, None]", "rn[None, :]"], mask="mask_s",
-                   zero="zero_s")
-        mv = ExprEmitter(w).value(p["mask"], sctx)
         if p["mask"].dtype == "bool":
-            w.emit(f"valid = valid & ({mv} != 0)")
+            w.emit("valid = valid & keep")
         else:
-            w.emit(f"s = s + {mv}.to(tl.float32)")
+            w.emit("s = s + madd")
     w.emit("s = tl.where(valid, s, -float(\"inf\"))")
     w.emit("m_new = tl.maximum(m_i, tl.max(s, axis=1))")
     w.emit("m_safe = tl.where(m_new == -float(\"inf\"), 0.0, m_new)")
@@ -474,7 +520,7 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"v = {_masked(v, mask_v)}.to({tl_dot})")
     w.emit(f"acc = acc * alpha[:, None] + tl.dot(pr.to({tl_dot}), v{prec})")
     w.emit("m_i = m_new")
-    w.indent -= 2 if skips else 1
+    w.indent -= 1 + bool(skips) + bool(masked_block)
     w.emit("o = acc / l_i[:, None]")
     mask = _mask(w, "mask", m_term, None if dv == bdv else f"(rdv[None, :] < {dv})")
     w.emit(f"zero = tl.zeros([{bm}, {bdv}], tl.int32)")
@@ -530,7 +576,7 @@ def _store_extent(w: Writer, symbol, value: str):
     w.emit(f"tl.store({ext} + {w.symbols[symbol]}, {value})")
 
 
-TEMPLATES = {"pointwise": pointwise, "reduction": reduction, "softmax": softmax,
+TEMPLATES = {"pointwise": pointwise, "scatter": scatter, "reduction": reduction, "softmax": softmax,
              "layer_norm": layer_norm, "matmul": matmul, "attention": attention,
              "compact": compact, "to_extent": to_extent}
 
@@ -550,3 +596,48 @@ def table_writer_source(slots: list[dict], extents: dict | None = None) -> Kerne
     return KernelSource("table_writer", "table_writer", text, ["*i64"] + ["i64"] * words, [],
                         (1, 1, 1), 1, 1)
 
+
+
+def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
+                         next_position) -> KernelSource:
+    """One greedy decoding step, run on the device after the model (docs/design-state.md):
+    token = argmax of the last row of the logits (the first index of the maximum, as torch), stored
+    as the next `tokens` input and at `out_tokens[count]`; the next position is the last one + 1;
+    ctrl = [count + 1, limit, eos, done] with done = token == eos or count + 1 >= limit.
+    `logits` is [1, ..., T, V] and `positions` [T], both read through their table slots (T is
+    the prompt length after prefill and 1 in decode)."""
+    rank, vocab = len(logits.shape), logits.shape[-1]
+    block = min(1024, next_pow2(vocab))
+    src_t = TL_TYPE[logits.dtype]
+    lines = [
+        "def generate_step(logits_slot, positions_slot, ctrl, out_tokens, next_token, next_position):",
+        f"    logits = tl.load(logits_slot).to(tl.pointer_type({src_t}))",
+        f"    rows = tl.load(logits_slot + {rank - 1})",          # sizes[rank - 2]: T
+        f"    row = logits + (rows - 1) * {vocab}",
+        "    best = tl.full([], -float(\"inf\"), tl.float32)",
+        "    best_i = tl.full([], 0, tl.int32)",
+        f"    for start in range(0, {vocab}, {block}):",
+        f"        cols = start + tl.arange(0, {block})",
+        f"        x = tl.load(row + cols, mask=cols < {vocab}, other=-float(\"inf\")).to(tl.float32)",
+        "        m = tl.max(x, 0)",
+        f"        i = tl.min(tl.where(x == m, cols, {vocab}), 0)",
+        "        better = m > best",
+        "        best_i = tl.where(better, i, best_i)",
+        "        best = tl.where(better, m, best)",
+        "    token = best_i.to(tl.int64)",
+        "    pos = tl.load(positions_slot).to(tl.pointer_type(tl.int64))",
+        "    last = tl.load(pos + tl.load(positions_slot + 1) - 1)",
+        "    count = tl.load(ctrl)",
+        "    tl.store(out_tokens + count, token)",
+        "    tl.store(next_token, token)",
+        "    tl.store(next_position, last + 1)",
+        "    tl.store(ctrl, count + 1)",
+        "    done = (token == tl.load(ctrl + 2)) | (count + 1 >= tl.load(ctrl + 1))",
+        "    tl.store(ctrl + 3, done.to(tl.int64))",
+    ]
+    text = HEADER + "\n".join(lines) + "\n"
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    name = f"generate_step_{digest}"
+    buffers = [logits, positions, ctrl, out_tokens, next_token, next_position]
+    return KernelSource(name, "generate_step", text.replace("def generate_step(", f"def {name}("),
+                        ["*i64", "*i64", "*i64", "*i64", "*i64", "*i64"], buffers, (1, 1, 1), 4, 1)

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import torch
 
-from . import build, codegen, export, fuse, lower, memplan, package, shapes
+from . import build, codegen, export, fuse, generation, lower, memplan, package, shapes
 
 ARCH_RE = re.compile(r"^sm_(\d{2,3})$")
 # Triton input_precision values for fp32 dots (GEMMs and attention), most accurate last. (Triton
 # 3.6 also has bf16x3/bf16x6, but its interpreter rejects them, so --interpret could not run them.)
 FP32_MATMUL_CHOICES = ("tf32", "tf32x3", "ieee")
+GENERATE_KEYS = ("tokens", "positions", "logits", "capacity")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class CompileOptions:
     progress: bool = False
     # bucket bounds per size symbol, overriding the default powers of two
     buckets: tuple = ()
+    # a causal LM for generate(): (("tokens", NAME), ("positions", NAME), ("logits", NAME)?,
+    # ("capacity", N)?) — docs/design-state.md
+    generate: tuple = ()
 
     def __post_init__(self):
         if not self.archs:
@@ -41,12 +45,21 @@ class CompileOptions:
         if self.fp32_matmul not in FP32_MATMUL_CHOICES:
             raise ValueError(f"fp32_matmul must be one of {', '.join(FP32_MATMUL_CHOICES)}, "
                              f"not {self.fp32_matmul!r}")
+        spec = dict(self.generate)
+        unknown = sorted(set(spec) - set(GENERATE_KEYS))
+        if unknown:
+            raise ValueError(f"generate: unknown key(s) {', '.join(unknown)}; expected "
+                             f"{', '.join(GENERATE_KEYS)}")
+        if spec and not {"tokens", "positions"} <= set(spec):
+            raise ValueError("generate needs tokens=NAME and positions=NAME (the export's input "
+                             "names)")
 
     def recorded(self) -> dict:
         d = asdict(self)
         d.pop("progress")
         d.pop("jobs")
         d.pop("buckets")
+        d.pop("generate")
         d["archs"] = list(self.archs)
         return d
 
@@ -61,16 +74,19 @@ class CompileReport:
 
 def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None,  # noqa: A001
             progress=True, fp32_matmul=None, jobs=None, dynamic_shapes=None,
-            buckets=None) -> Path:
+            buckets=None, generate=None) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
     `dynamic_shapes` goes to torch.export (`{"input_ids": {1: Dim("seq", min=1, max=512)}}`);
     each dynamic dimension becomes a size symbol named after its Dim (or `<input>.<dim>` for a
     program exported elsewhere). `buckets` overrides the default bucket bounds per symbol:
-    `{"seq": [64, 128, 512]}`."""
+    `{"seq": [64, 128, 512]}`. `generate={"tokens": "idx", "positions": "input_pos"}` marks a
+    causal LM for `Session.generate` (optional "logits": an output name, default the first;
+    "capacity": cache positions, default the size of the state dimension `positions` indexes)."""
     options = CompileOptions(tuple(archs), fp32_matmul or lower.DEFAULT_OPTIONS["fp32_matmul"],
                              jobs, progress,
-                             tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()))
+                             tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()),
+                             tuple((generate or {}).items()))
     dim_names = None
     if isinstance(program, torch.nn.Module):
         if example_inputs is None:
@@ -111,8 +127,10 @@ def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict) -> pack
     """One graph: the program lowered with every input symbol at its bucket bound."""
     bucket = {s.expr: bounds[s.name] for s in symbols if s.kind == "input"}
     lowered = lower.lower(core, name, options.recorded(), bucket)
+    if options.generate:
+        generation.add_state(lowered, dict(options.generate))
     kernels = fuse.fuse_epilogues(lowered.kernels)
-    plan = memplan.plan_memory(kernels, lowered.weights)
+    plan = memplan.plan_memory(kernels, lowered.weights, lowered.state)
     memplan.check_plan(plan)
     sources = []
     for k in kernels:
@@ -143,6 +161,8 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
         symbols += shapes.find_data_symbols(core, symbols)
     except shapes.ShapeError as exc:
         raise lower.LoweringError(str(exc)) from exc
+    if options.generate:   # decode (one token) is a bucket of its own
+        generation.add_decode_bucket(core, symbols, lists, dict(options.generate))
     sym_index = {s.expr: i for i, s in enumerate(symbols)}
     graphs = []
     for bounds in shapes.combinations(symbols, lists):
@@ -153,12 +173,16 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
         raise lower.LoweringError("internal: buckets lowered to different argument tables")
     slots, extents, table_nbytes = layouts[0]
     writer = codegen.table_writer_source(slots, extents)
+    step = None
+    if options.generate:
+        step = generation.plan(graphs, symbols, dict(options.generate))
     recorded = options.recorded()
     if lists:
         recorded["buckets"] = lists
         recorded["bucket_cost"] = _cost_note(symbols, lists)
     seconds["lower"] = time.perf_counter() - t
-    unique = {s.name: s for s in [writer] + [src for g in graphs for src in g.sources]}
+    unique = {s.name: s for s in [writer] + [src for g in graphs for src in g.sources]
+              + ([step.source] if step else [])}
     _say(options, f"[bold]grace[/]: {name}: {len(graphs)} graph(s), "
                   f"{sum(len(g.kernels) for g in graphs)} kernels ({len(unique) - 1} unique), "
                   f"arena ≤ {max(g.plan.arena_nbytes for g in graphs)} B, "
@@ -175,7 +199,7 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
     t = time.perf_counter()
     manifest, sections = package.build_manifest(graphs, symbols, writer, binaries,
                                                 list(options.archs), recorded, slots, extents,
-                                                table_nbytes)
+                                                table_nbytes, step)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_package(output, manifest, sections)
     seconds["package"] = time.perf_counter() - t
@@ -188,7 +212,7 @@ def _check_same_interface(graphs) -> None:
     """Every bucket must lower to the same inputs, outputs and weights (only sizes differ)."""
     def key(p):
         return ([(b.name, b.dtype, len(b.shape)) for b in p.inputs + p.outputs],
-                [(b.name, b.dtype, b.shape) for b in p.weights])
+                [(b.name, b.dtype, b.shape) for b in p.weights + p.state])
     first = key(graphs[0].program)
     for g in graphs[1:]:
         if key(g.program) != first:

@@ -53,7 +53,8 @@ def compute_dtype(dtype: str) -> str:
 # ----------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Buffer:
-    """A piece of device memory. kind: weight | arena | input | output | extents."""
+    """A piece of device memory. kind: weight | arena | state | input | output | extents.
+    `state` buffers belong to the session and outlive a call (KV caches)."""
 
     name: str
     kind: str
@@ -229,8 +230,9 @@ def is_cheap(expr: Expr, limit: int = 24) -> bool:
         count += 1
         if isinstance(node, Cat) or count > limit:
             return False
-        if isinstance(node, Reindex) and any(m.kind == "expr" for m in node.maps):
-            return False
+        if isinstance(node, Reindex) and any(m.kind == "expr" and loads(m.expr)
+                                             for m in node.maps):
+            return False   # a gather; index arithmetic alone (GQA's head // rep) is cheap
         if isinstance(node, Op) and node.op in TRANSCENDENTAL:
             return False
     return True
@@ -262,6 +264,8 @@ class Kernel:
         for value in self.inputs.values():
             if isinstance(value, Expr):
                 found.append(value)
+            elif isinstance(value, tuple):
+                found += [v for v in value if isinstance(v, Expr)]
         return found
 
     def reads(self) -> list[Buffer]:
@@ -286,3 +290,7 @@ class Program:
     sizes: dict = field(default_factory=dict)
     # size symbol -> its bound in this bucket (input symbols and the data-dependent ones)
     bounds: dict = field(default_factory=dict)
+    state: list[Buffer] = field(default_factory=list)     # session state (mutated buffers)
+    state_data: dict[str, Any] = field(default_factory=dict)   # its initial values
+    # (input name, size of the state dimension that input indexes), e.g. ("input_pos", 2048)
+    state_index_sizes: list = field(default_factory=list)

@@ -16,7 +16,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from . import shapes, views
 from .ir import (TRANSCENDENTAL, Buffer, Const, Kernel, Load, Op, Program, SymValue,
-                 contiguous_strides, expr_size, is_cheap, walk)
+                 contiguous_strides, expr_size, is_cheap, loads, walk)
 from .shapes import SymSize, sym_expr
 from .views import TV
 
@@ -78,6 +78,13 @@ class Lowering:
         self.outputs: list[Buffer] = []
         self.weights: list[Buffer] = []
         self.weight_data: dict[str, torch.Tensor] = {}
+        # session state: the buffers the program mutates (KV caches, counters), by buffer name
+        sig = program.graph_signature
+        self.mutated = set(sig.buffers_to_mutate.values())
+        self.state: list[Buffer] = []
+        self.state_data: dict[str, torch.Tensor] = {}
+        # (input name, size of the state dimension it indexes): how many positions a cache holds
+        self.state_index_sizes: list[tuple[str, int]] = []
         self.env: dict[torch.fx.Node, Any] = {}
         self._count = 0
         self.node: torch.fx.Node | None = None
@@ -112,6 +119,8 @@ class Lowering:
         if not kernel.label and self.node is not None:
             kernel.label = self.node.name
         self.kernels.append(kernel)
+        if kernel.family == "scatter":   # writes part of an existing buffer: no new value
+            return None
         ext = kernel.ext
         if ext is not None and tuple(kernel.out.shape) != tuple(kernel.out_shape):
             ext = shapes.regroup(kernel.out_shape, ext, kernel.out.shape)
@@ -133,11 +142,11 @@ class Lowering:
     # ---- the walk ----------------------------------------------------------------------------
     def run(self) -> Program:
         sig = self.program.graph_signature
-        if sig.buffers_to_mutate:
+        if sig.user_inputs_to_mutate:
             raise LoweringError(
-                "the program mutates buffers "
-                f"({', '.join(sorted(sig.buffers_to_mutate.values()))}); session state is not "
-                "supported in this version")
+                "the program mutates its inputs "
+                f"({', '.join(sorted(sig.user_inputs_to_mutate.values()))}); return the new value "
+                "instead, or keep it in a registered buffer (session state)")
         state = dict(self.program.state_dict)
         state.update(self.program.constants)
         specs = {spec.arg.name: spec for spec in sig.input_specs}
@@ -159,7 +168,8 @@ class Lowering:
             elif node.op == "output":
                 self.output(node, sig)
         return Program(self.kernels, self.inputs, self.outputs, self.weights, self.weight_data,
-                       self.name, self.sizes, dict(self.bucket))
+                       self.name, self.sizes, dict(self.bucket), self.state, self.state_data,
+                       list(self.state_index_sizes))
 
     def data_symbol(self, node, bound: int):
         """Declare the unbacked symbol of `node`'s result (a size a kernel computes on the
@@ -188,6 +198,12 @@ class Lowering:
             self.sizes[buf.name] = tuple(val.shape)
             self.inputs.append(buf)
             return views.contiguous_load(buf, ext)
+        if spec.kind == InputKind.BUFFER and spec.target in self.mutated:
+            tensor = state[spec.target].detach()
+            buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "state", spec.target)
+            self.state.append(buf)
+            self.state_data[buf.name] = tensor.contiguous().cpu()
+            return views.contiguous_load(buf)
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             tensor = state[spec.target].detach()
             buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "weight", spec.target)
@@ -271,9 +287,15 @@ class Lowering:
         return value
 
     def output(self, node, sig):
+        """User outputs first, then the new values of mutated buffers: a user output may still
+        read a buffer's old value, so the state is written last (after every such reader)."""
         values = node.args[0]
         user_outputs = [spec for spec in sig.output_specs if spec.kind == OutputKind.USER_OUTPUT]
+        mutations = []
         for i, (value, spec) in enumerate(zip(values, sig.output_specs)):
+            if spec.kind == OutputKind.BUFFER_MUTATION:
+                mutations.append((value, spec))
+                continue
             if spec.kind != OutputKind.USER_OUTPUT:
                 continue
             tv = self.env.get(value) if isinstance(value, torch.fx.Node) else None
@@ -293,6 +315,46 @@ class Lowering:
             self.outputs.append(buf)
             self.node = value
             self.realize(tv, into=buf)
+        for value, spec in mutations:
+            self.node = value
+            self.write_state(self.state_buffer(spec.target), self.env.get(value))
+
+    # ---- session state -----------------------------------------------------------------------
+    def state_buffer(self, name: str) -> Buffer:
+        for buf in self.state:
+            if buf.name == name:
+                return buf
+        raise LoweringError(f"internal: no state buffer {name!r}")
+
+    def write_state(self, buf: Buffer, tv) -> None:
+        """The new value of a mutated buffer. An in-place update (a scatter into the buffer)
+        already left it there; anything else is stored at the end of the program. A value that
+        reads the buffer itself goes through the arena first (no kernel reads what it overwrites)."""
+        if not isinstance(tv, TV):
+            raise LoweringError(f"the new value of buffer {buf.name!r} is not a tensor")
+        if tv.shape != buf.shape or tv.ext is not None:
+            raise LoweringError(f"buffer {buf.name!r} {list(buf.shape)} is assigned a value of "
+                                f"shape {list(tv.shape)}; session state has a static shape")
+        expr = tv.expr
+        if (isinstance(expr, Load) and expr.buf is buf and expr.offset == 0
+                and expr.strides == contiguous_strides(buf.shape)):
+            return   # updated in place
+        if any(load.buf is buf for load in loads(expr)):
+            tv = self.realize(tv, into=self.new_buffer(tv.shape, tv.dtype))
+        if tv.dtype != buf.dtype:
+            tv = TV(Op("cast", [tv.expr], buf.dtype), tv.shape)
+        self.emit(Kernel("pointwise", buf, buf.shape, tv.expr, label=f"state {buf.name}"))
+
+    def in_place_target(self, node, arg_index: int = 0) -> Buffer | None:
+        """The state buffer that `node` may update in place: its argument is the buffer's
+        placeholder itself and nothing else reads the old value."""
+        arg = node.args[arg_index]
+        if not isinstance(arg, torch.fx.Node) or arg.op != "placeholder" or len(arg.users) != 1:
+            return None
+        tv = self.env.get(arg)
+        if isinstance(tv, TV) and isinstance(tv.expr, Load) and tv.expr.buf.kind == "state":
+            return tv.expr.buf
+        return None
 
 
 def _is_size_arithmetic(node) -> bool:

@@ -14,7 +14,8 @@ import torch
 
 from . import shapes, views
 from .codegen import gemm_plan
-from .ir import EXTENTS, Acc, Const, DimMap, Index, Kernel, Load, Op, Reindex, SymValue, numel
+from .ir import (EXTENTS, Acc, Buffer, Const, DimMap, Index, Kernel, Load, Op, Reindex, SymValue,
+                 loads, numel)
 from .lower import LoweringError, as_operand, dtype_name, handles
 from .shapes import sym_expr
 from .views import TV
@@ -741,3 +742,77 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     out = L.emit(Kernel("attention", buf, (b, h, lq, dv), Acc("float32"), inputs, ext=ext))
     return views.view(out, shape)
 
+
+
+# ---- in-place updates (KV caches) --------------------------------------------------------------
+@handles(aten.index_put.default, aten.index_put_.default)
+def _index_put(L, node, x, indices, values, accumulate=False):
+    """x[indices] = values. When x is a state buffer whose old value nothing else reads (a KV
+    cache: `k_cache[:, :, input_pos] = k`), a scatter kernel stores `values` into it in place at
+    the positions the index tensor holds on the device — no copy of the cache. Otherwise x is
+    copied into a fresh buffer first, then scattered into."""
+    if accumulate:
+        raise LoweringError("index_put with accumulate=True is not supported")
+    indices = list(indices) + [None] * (len(x.shape) - len(indices))
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    if not dims or dims != list(range(dims[0], dims[0] + len(dims))):
+        raise LoweringError("only adjacent tensor indices are supported in x[...] = v")
+    if any(indices[d].dtype == "bool" for d in dims):
+        raise LoweringError("assignment through a boolean mask (x[mask] = v) is not supported; "
+                            "use torch.where")
+    target = L.in_place_target(node)
+    if target is None:
+        target = L.new_buffer(x.shape, x.dtype)
+        L.realize(x, into=target)
+    _scatter(L, target, x, indices, dims, values)
+    return views.contiguous_load(target)
+
+
+@handles(aten.index_copy.default, aten.index_copy_.default)
+def _index_copy(L, node, x, dim, index, source):
+    """x.index_copy(dim, index, source): transformers' StaticCache update."""
+    dim %= len(x.shape)
+    indices = [None] * dim + [index]
+    return _index_put(L, node, x, indices, source)
+
+
+def _scatter(L, target: Buffer, x: TV, indices, dims, values) -> None:
+    """Store `values` at x[indices] into `target` (laid out like x, contiguous). The kernel
+    iterates over the index space of x[indices] — x's dims before the indexed ones, the broadcast
+    index shape, then x's remaining dims — and computes each destination from the index values
+    (negative ones wrapped). Destinations outside the buffer are not written."""
+    k, m = dims[0], len(dims)
+    bshape = tuple(torch.broadcast_shapes(*[indices[d].shape for d in dims]))
+    nb = len(bshape)
+    space = tuple(x.shape[:k]) + bshape + tuple(x.shape[k + m:])
+    coords = []
+    for d in range(len(x.shape)):
+        if d < k:
+            coords.append(Index(d))
+        elif d < k + m:
+            idx = views.expand(indices[d], bshape)
+            e = _index_expr(TV(idx.expr, bshape, idx.ext), x, d)
+            coords.append(views.remap(e, [DimMap("dim", k + j) for j in range(nb)], len(space)))
+            _note_state_index(L, target, indices[d], x.shape[d])
+        else:
+            coords.append(Index(d - m + nb))
+    vals = values if isinstance(values, TV) else TV(as_operand(values, (), target.dtype), ())
+    vals = views.expand(vals, space) if vals.shape != space else vals
+    value = vals.expr if vals.dtype == target.dtype else Op("cast", [vals.expr], target.dtype)
+    ext = list(vals.exts())
+    for d in dims:   # a dynamic index length that (broadcast) values do not carry
+        iext = indices[d].exts()
+        for j, e in enumerate(iext[len(iext) - nb:] if iext else ()):
+            if e is not None and ext[k + j] is None:
+                ext[k + j] = e
+    L.emit(Kernel("scatter", target, space, value, {"coords": tuple(coords)}, ext=tuple(ext)))
+
+
+def _note_state_index(L, target: Buffer, index: TV, size: int) -> None:
+    """Remember which user input indexes a state buffer, and how many positions that dimension
+    has: `--generate` derives the cache capacity from it."""
+    if target.kind != "state":
+        return
+    for load in loads(index.expr):
+        if load.buf.kind == "input":
+            L.state_index_sizes.append((load.buf.name, int(size)))

@@ -35,16 +35,19 @@ class MemoryPlan:
     arena: dict[int, Placement]        # id(buffer) -> placement
     weights_nbytes: int
     weights: dict[int, int]            # id(buffer) -> offset in the weights region
+    state_nbytes: int = 0
+    state: dict = None                 # id(buffer) -> offset in the state region
 
 
-def plan_memory(kernels: list[Kernel], weights: list[Buffer]) -> MemoryPlan:
+def plan_memory(kernels: list[Kernel], weights: list[Buffer],
+                state: list[Buffer] = ()) -> MemoryPlan:
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     bufs: dict[int, Buffer] = {}
     for i, k in enumerate(kernels):
-        if k.out.kind == "arena":
+        if k.out.kind == "arena":   # a buffer may be written twice (a copy, then a scatter)
             first.setdefault(id(k.out), i)
-            last.setdefault(id(k.out), i)
+            last[id(k.out)] = i
             bufs[id(k.out)] = k.out
         for b in k.reads():
             if b.kind == "arena":
@@ -63,11 +66,19 @@ def plan_memory(kernels: list[Kernel], weights: list[Buffer]) -> MemoryPlan:
             offset = max(offset, hi)
         placed.append(Placement(buf, offset, size, first[key], last[key]))
     arena_nbytes = max((p.offset + p.nbytes for p in placed), default=0)
-    woffsets, cursor = {}, 0
-    for buf in weights:
-        woffsets[id(buf)] = cursor
+    woffsets, wcursor = _pack(weights)
+    soffsets, scursor = _pack(state)
+    return MemoryPlan(arena_nbytes, {id(p.buffer): p for p in placed}, wcursor, woffsets,
+                      scursor, soffsets)
+
+
+def _pack(buffers) -> tuple[dict[int, int], int]:
+    """Back-to-back, 256-aligned offsets (weights and state are live for the whole call)."""
+    offsets, cursor = {}, 0
+    for buf in buffers:
+        offsets[id(buf)] = cursor
         cursor += align(max(buf.nbytes, 1))
-    return MemoryPlan(arena_nbytes, {id(p.buffer): p for p in placed}, cursor, woffsets)
+    return offsets, cursor
 
 
 def check_plan(plan: MemoryPlan) -> None:
@@ -95,6 +106,8 @@ def dependencies(kernels: list[Kernel], plan: MemoryPlan,
                 out.append(("arena", p.offset, p.offset + p.nbytes))
             elif b.kind in ("input", "output"):
                 out.append((f"io:{b.name}", 0, 1))
+            elif b.kind == "state":   # one range per buffer: scatters order against every reader
+                out.append((f"state:{b.name}", 0, 1))
         return out
 
     writes = [ranges([k.out]) for k in kernels]

@@ -55,6 +55,9 @@ def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict) -> dic
     if buf.kind == "weight":
         return {"region": "weights", "offset": plan.weights[id(buf)], "nbytes": buf.nbytes,
                 "dtype": buf.dtype}
+    if buf.kind == "state":
+        return {"region": "state", "offset": plan.state[id(buf)], "nbytes": buf.nbytes,
+                "dtype": buf.dtype}
     if buf.kind == "extents":
         return {"region": "table", "offset": extents["offset"], "nbytes": 8 * extents["count"],
                 "dtype": "int64"}
@@ -68,10 +71,11 @@ def weight_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: dict,
-                    archs: list[str], sections: dict) -> tuple[list[dict], dict[str, int]]:
+                    archs: list[str], sections: dict,
+                    extra=()) -> tuple[list[dict], dict[str, int]]:
     unique: dict[str, int] = {}
     entries = []
-    for src in [writer] + [s for g in graphs for s in g.sources]:
+    for src in [writer] + [s for g in graphs for s in g.sources] + list(extra):
         if src.name in unique:
             continue
         unique[src.name] = len(entries)
@@ -125,15 +129,46 @@ def _shape(sizes, names: dict) -> list:
     return [int(d) if sym_expr(d) is None else to_manifest(sym_expr(d), names) for d in sizes]
 
 
+def _state_entries(program: Program, plan: MemoryPlan, sections: dict) -> list[dict]:
+    """Session state: zero-filled buffers are described, not stored (a cache of zeros costs no
+    bytes in the file); any other initial value goes into the `state` section."""
+    from grace.formats import encode_state
+
+    entries, data = [], {}
+    for b in program.state:
+        tensor = program.state_data[b.name]
+        zeros = not bool(torch.count_nonzero(tensor))
+        entries.append({"name": b.name, "dtype": b.dtype, "shape": list(b.shape),
+                        "offset": plan.state[id(b)], "nbytes": b.nbytes,
+                        "init": "zeros" if zeros else "data"})
+        if not zeros:
+            data[b.name] = (b.dtype, tuple(b.shape), weight_bytes(tensor))
+    if data:
+        sections["state"] = encode_state(data)
+    return entries
+
+
+def _generate_entry(step, g: GraphBuild, slots, extents) -> dict:
+    from .generation import CTRL, NEXT_POSITION, NEXT_TOKEN, OUT_TOKENS
+    return {"tokens": step.tokens, "positions": step.positions, "logits": step.logits,
+            "capacity": step.capacity, "decode_graph": step.decode_graph,
+            "ctrl": CTRL, "out_tokens": OUT_TOKENS, "next_token": NEXT_TOKEN,
+            "next_position": NEXT_POSITION,
+            "step": {"kernel": None, "grid": list(step.source.grid), "deps": [],
+                     "label": "generate_step",
+                     "args": [_arg(b, g.plan, slots, extents) for b in step.source.buffers]}}
+
+
 def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource,
                    binaries: dict, archs: list[str], options: dict, slots: list[dict],
-                   extents: dict, table_nbytes: int) -> tuple[dict, dict[str, bytes]]:
+                   extents: dict, table_nbytes: int, step=None) -> tuple[dict, dict[str, bytes]]:
     import triton
 
     from grace.formats import encode_weights
 
     sections: dict[str, bytes] = {}
-    kernel_entries, unique = _kernel_entries(writer, graphs, binaries, archs, sections)
+    kernel_entries, unique = _kernel_entries(writer, graphs, binaries, archs, sections,
+                                             [step.source] if step else ())
     first = graphs[0]
     program, plan = first.program, first.plan
     names = {s.expr: s.name for s in symbols}
@@ -155,7 +190,8 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
         "table": {"nbytes": table_nbytes, "slots": slots, "extents": dict(extents)},
         "regions": {"weights": max(plan.weights_nbytes, 256),
                     "arena": max(max(g.plan.arena_nbytes for g in graphs), 256),
-                    "table": table_nbytes},
+                    "table": table_nbytes, "state": plan.state_nbytes},
+        "state": _state_entries(program, plan, sections),
         "weights": [{"name": b.name, "dtype": b.dtype, "shape": list(b.shape),
                      "offset": plan.weights[id(b)], "nbytes": b.nbytes}
                     for b in program.weights],
@@ -166,6 +202,9 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
         "graphs": [_graph_entry(g, writer, unique, slots, extents, table_nbytes)
                    for g in graphs],
     }
+    if step is not None:
+        manifest["generate"] = _generate_entry(step, first, slots, extents)
+        manifest["generate"]["step"]["kernel"] = unique[step.source.name]
     sections["weights"] = encode_weights({
         b.name: (b.dtype, tuple(b.shape), weight_bytes(program.weight_data[b.name]))
         for b in program.weights})

@@ -116,7 +116,7 @@ def test_unsupported_op_names_op_and_source_line():
     assert "test_aot.py" in msg and "torch.sort(x)" in msg
 
 
-def test_mutated_buffers_are_rejected_clearly():
+def test_mutated_buffers_become_session_state():
     class Counter(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -126,8 +126,19 @@ def test_mutated_buffers_are_rejected_clearly():
             self.n.add_(1)
             return x + self.n
 
-    with pytest.raises(LoweringError, match="mutates buffers"):
-        lowered(Counter(), torch.randn(3))
+    prog, kernels = lowered(Counter(), torch.randn(3))
+    assert [b.name for b in prog.state] == ["n"] and not prog.weights
+    assert kernels[-1].out.kind == "state"   # the new value is stored after every reader of the old
+
+
+def test_mutated_inputs_are_rejected_clearly():
+    class Bump(torch.nn.Module):
+        def forward(self, x):
+            x.add_(1)
+            return x * 2
+
+    with pytest.raises(LoweringError, match="mutates its inputs"):
+        lowered(Bump(), torch.randn(3))
 
 
 def test_bad_arch_is_rejected(tmp_path):

@@ -80,8 +80,9 @@ def bucket_manifest(graphs=None) -> dict:
                   "slots": [{"name": "x", "role": "input", "offset": 0, "rank": 3},
                             {"name": "out", "role": "output", "offset": 64, "rank": 3}]},
         "regions": {"weights": 0, "arena": max(g["arena"] for g in graph_list),
-                    "table": ext_offset + 8 * n_symbols},
+                    "table": ext_offset + 8 * n_symbols, "state": 0},
         "weights": [],
+        "state": [],
         "kernels": [
             _kernel("table_writer", "table_writer",
                     [("table", "*i64")] + [(f"w{i}", "i64") for i in range(words)]),
@@ -134,7 +135,7 @@ def desc(tmp_path) -> dict:
 
 
 def test_describe_symbols(desc):
-    assert desc["format_version"] == [2, 0]
+    assert desc["format_version"] == [3, 0]
     assert desc["symbols"] == [
         {"name": "seq", "kind": "input", "min": 1, "max": 512,
          "sources": [{"input": 0, "name": "x", "dim": 1}], "buckets": [128, 256, 512]},

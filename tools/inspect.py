@@ -96,6 +96,9 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
     memory = {
         "regions": {k: int(v) for k, v in (m.get("regions") or {}).items()},
         "weights": {"count": len(weights), "nbytes": sum(int(w.get("nbytes", 0)) for w in weights)},
+        "state": [{"name": e.get("name"), "dtype": e.get("dtype"), "shape": _jsonable(e.get("shape")),
+                   "offset": e.get("offset"), "nbytes": e.get("nbytes"), "init": e.get("init")}
+                  for e in m.get("state", []) or []],
         "arena_buffers": {
             "count": len(arena_buffers),
             "nbytes": sum(int(b.get("nbytes", 0)) for b in arena_buffers),
@@ -194,10 +197,23 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
         "table": {"nbytes": (m.get("table") or {}).get("nbytes"), "words": word + extents["count"],
                   "slots": table_slots, "extents": extents},
         "memory": memory,
+        "generate": _generate(m),
         "kernels": kernel_list,
         "graphs": graph_list,
         "sections": sections,
     }
+
+
+def _generate(m: Mapping) -> dict | None:
+    """What `--generate` recorded (None for a package that is not a causal LM)."""
+    gen = m.get("generate")
+    if not isinstance(gen, Mapping):
+        return None
+    graphs = m.get("graphs", []) or []
+    g = gen.get("decode_graph")
+    decode = graphs[g].get("name") if isinstance(g, int) and 0 <= g < len(graphs) else g
+    return {"tokens": gen.get("tokens"), "positions": gen.get("positions"),
+            "logits": gen.get("logits"), "capacity": gen.get("capacity"), "decode_graph": decode}
 
 
 def _extents(m: Mapping, first_word: int) -> dict:
@@ -352,10 +368,24 @@ def render(d: Mapping, console=None) -> None:
         "arena": f"{ab.get('count', 0)} buffers ({human_bytes(ab.get('nbytes', 0))} before reuse)"
                  + (f"; the largest of {n_graphs} graphs, one arena per session" if n_graphs > 1 else ""),
         "table": f"{len(tab.get('slots', []))} slots",
+        "state": f"{len(mem.get('state', []))} buffers per session (KV caches, generation)",
     }
     for name, nbytes in mem.get("regions", {}).items():
         t.add_row(name, human_bytes(nbytes), str(nbytes), notes.get(name, ""))
     console.print(t)
+    if mem.get("state"):
+        t = table("session state", "name", "dtype", "shape", ">offset", ">size", "initial value")
+        for e in mem["state"]:
+            t.add_row(str(e["name"]), str(e["dtype"]), _shape(e["shape"]), str(e["offset"]),
+                      human_bytes(e["nbytes"] or 0),
+                      "zeros (not stored)" if e["init"] == "zeros" else "the `state` section")
+        console.print(t)
+    gen = d.get("generate")
+    if gen:
+        console.print(f"[bold]generation[/]: tokens {gen['tokens']!r}, positions "
+                      f"{gen['positions']!r}, logits {gen['logits']!r}, cache of "
+                      f"{gen['capacity']} positions, decode graph {gen['decode_graph']!r}; greedy "
+                      "steps run in a CUDA graph WHILE loop\n")
     if ab.get("largest"):
         t = table(f"largest arena buffers (top {len(ab['largest'])} of {ab.get('count')})",
                   "name", ">offset", ">size", "live (nodes)")

@@ -291,12 +291,13 @@ def _check_inputs(manifest: Mapping, inputs: Mapping[str, Any]) -> dict[str, np.
 
 @contextlib.contextmanager
 def _as_interpret_errors():
-    """The runtime's InputError (bad sizes) surfaces as this module's InterpretError."""
-    from grace.runtime.errors import InputError
+    """The runtime's checks (bad sizes: InputError; a bad package: InvalidPackageError) surface as
+    this module's InterpretError."""
+    from grace.runtime.errors import InputError, InvalidPackageError
 
     try:
         yield
-    except InputError as e:
+    except (InputError, InvalidPackageError) as e:
         raise InterpretError(str(e)) from None
 
 
@@ -401,46 +402,154 @@ def run_package(
     `package_or_path` is a path or a `grace.formats.Package`. `inputs` maps every input name to a
     numpy array (or CPU torch tensor) of the package's dtype, of any size its symbols allow. The
     graph is selected as the GPU runtime selects it; `graph=` names another one that covers the sizes.
+    A package with session state runs from its initial state; use `InterpretSession` to keep it.
     """
-    from grace.runtime.shapes import ShapePlan
-
-    package = _open(package_or_path)
-    manifest = package.manifest
-    _check_no_bf16(manifest)
-    arrays = _check_inputs(manifest, inputs)
-    plan = ShapePlan(manifest)
-    values, gi = _resolve(plan, manifest, arrays, graph)
-    g = manifest["graphs"][gi]
-
-    regions = _make_regions(package, g, poison)
-    extents = _extents(manifest, regions["table"])
-    extents.fill_(-1)  # until the table writer sets them: a symbol word it misses shows as -1
-    with _as_interpret_errors():
-        out_shapes = plan.output_shapes(values, gi)
-    buffers = _io_buffers(manifest, arrays, out_shapes, poison)
-    words = table_words(manifest, buffers, values)
-
-    with _interpret_mode():
-        for i, node in enumerate(g["nodes"]):
-            _run_node(package, manifest["kernels"], g, i, node, regions, words)
-
-    values = _data_symbols(plan, gi, values, extents)
-    outputs = {s["name"]: _cut(buffers[s["name"]], plan.output_shape(o, values))
-               for o, s in enumerate(manifest["outputs"])}
-    return InterpretResult(outputs, g["name"], dict(zip(plan.symbols, values)))
+    return InterpretSession(package_or_path, poison=poison).run(inputs, graph=graph)
 
 
-def _make_regions(package, g: Mapping, poison: bool) -> dict[str, Any]:
-    """One byte tensor per region: the weights uploaded, the arena as large as graph `g` uses it
-    (an argument past that fails like on the GPU), the table; arena and table poisoned on request."""
+def generate_package(package_or_path, prompt_ids, max_new_tokens: int, eos_token_id=None, *,
+                     poison: bool = True) -> np.ndarray:
+    """Greedy generation on the CPU, the same sequence of kernels as the GPU runtime's generate()."""
+    return InterpretSession(package_or_path, poison=poison).generate(prompt_ids, max_new_tokens,
+                                                                     eos_token_id)
+
+
+class InterpretSession:
+    """The CPU twin of a runtime Session: the package's regions as byte tensors, with the session
+    state (KV caches) kept across run() calls until reset_state()."""
+
+    def __init__(self, package_or_path, poison: bool = True):
+        import torch
+        from grace.runtime.shapes import ShapePlan
+
+        self.package = _open(package_or_path)
+        self.manifest = manifest = self.package.manifest
+        _check_no_bf16(manifest)
+        self.plan = ShapePlan(manifest)
+        self.poison = poison
+        sizes = manifest["regions"]
+        self.regions = {
+            "weights": torch.zeros(int(sizes["weights"]), dtype=torch.uint8),
+            "table": torch.full((int(sizes["table"]),), 0xFF if poison else 0, dtype=torch.uint8),
+            "state": torch.zeros(int(sizes.get("state", 0)), dtype=torch.uint8),
+        }
+        _fill_weights(self.package, self.regions["weights"])
+        from grace.runtime.state import plan_state
+
+        with _as_interpret_errors():
+            self.state_entries = plan_state(manifest, self.package)
+        self.reset_state()
+
+    # -- state ---------------------------------------------------------------------------------
+    def _state_view(self, name: str):
+        for e in self.state_entries:
+            if e.name == name:
+                raw = self.regions["state"][e.offset:e.offset + e.nbytes]
+                return raw.view(_torch_dtype(e.dtype)).view(e.shape)
+        raise InterpretError(f"the package has no state entry {name!r}")
+
+    def reset_state(self) -> None:
+        """Every state entry back to its initial value (zeros, or the package's `state` section)."""
+        import torch
+
+        self.regions["state"].zero_()
+        for e in self.state_entries:
+            if e.init == "data":
+                self.regions["state"][e.offset:e.offset + e.nbytes].copy_(torch.from_numpy(e.data))
+
+    def read_state(self) -> dict[str, np.ndarray]:
+        return {e.name: self._state_view(e.name).numpy().copy() for e in self.state_entries}
+
+    # -- one call ------------------------------------------------------------------------------
+    def run(self, inputs: Mapping[str, Any], graph: str | None = None) -> InterpretResult:
+        manifest, plan = self.manifest, self.plan
+        arrays = _check_inputs(manifest, inputs)
+        values, gi = _resolve(plan, manifest, arrays, graph)
+        import torch
+
+        tensors = {s["name"]: torch.from_numpy(np.array(arrays[s["name"]], order="C", copy=True))
+                   for s in manifest["inputs"]}   # 0-d stays 0-d
+        return self._execute(gi, values, tensors)
+
+    def _execute(self, gi: int, values: list, inputs: dict) -> InterpretResult:
+        """Run graph `gi` with the symbol `values` on the input tensors `inputs` (the slots point
+        at them: copies of the caller's arrays, or state entries during generation)."""
+        import torch
+
+        manifest, plan = self.manifest, self.plan
+        g = manifest["graphs"][gi]
+        self.regions["arena"] = torch.full((int(g["arena"]),), 0xFF if self.poison else 0,
+                                           dtype=torch.uint8)
+        extents = _extents(manifest, self.regions["table"])
+        extents.fill_(-1)  # until the table writer sets them: a symbol word it misses shows as -1
+        with _as_interpret_errors():
+            out_shapes = plan.output_shapes(values, gi)
+        buffers = {**inputs, **_output_buffers(manifest, out_shapes, self.poison)}
+        missing = [sl["name"] for sl in manifest["table"]["slots"] if sl["name"] not in buffers]
+        if missing:
+            raise InterpretError(f"table slot {missing[0]!r} is neither an input nor an output")
+        words = table_words(manifest, buffers, values)
+        self._buffers = buffers  # the table points at them until the next call
+        with _interpret_mode():
+            for i, node in enumerate(g["nodes"]):
+                _run_node(self.package, manifest["kernels"], g, i, node, self.regions, words)
+        values = _data_symbols(plan, gi, values, extents)
+        outputs = {s["name"]: _cut(buffers[s["name"]], plan.output_shape(o, values))
+                   for o, s in enumerate(manifest["outputs"])}
+        return InterpretResult(outputs, g["name"], dict(zip(plan.symbols, values)))
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompt_ids, max_new_tokens: int, eos_token_id=None) -> np.ndarray:
+        """prefill -> step -> while not done: decode graph -> step (docs/design-state.md), the
+        loop condition read on the host where the GPU runs a WHILE node."""
+        from grace.runtime.generate import GeneratePlan
+
+        gen = self.manifest.get("generate")
+        if gen is None:
+            raise InterpretError("this package was not compiled for generation (grace compile "
+                                 "--generate tokens=NAME,positions=NAME)")
+        with _as_interpret_errors():
+            plan = GeneratePlan(self.manifest, self.state_entries)
+            prompt, ctrl_words = plan.check(prompt_ids, max_new_tokens, eos_token_id)
+        self.reset_state()
+        ctrl = self._state_view(gen["ctrl"])
+        ctrl.copy_(torch_from(ctrl_words))
+        self.run(plan.prefill_inputs(prompt))
+        self._step(gen)
+        with _as_interpret_errors():
+            values = self.plan.resolve(plan.input_shapes(1))
+        feed = {gen["tokens"]: self._state_view(gen["next_token"]),
+                gen["positions"]: self._state_view(gen["next_position"])}
+        while int(ctrl[3]) == 0:
+            self._execute(int(gen["decode_graph"]), values, feed)
+            self._step(gen)
+        return self._state_view(gen["out_tokens"])[:int(ctrl[0])].numpy().copy()
+
+    def _step(self, gen) -> None:
+        node = gen["step"]
+        g = {"name": "generate", "nodes": [node]}
+        with _interpret_mode():
+            _run_node(self.package, self.manifest["kernels"], g, 0, node, self.regions, [])
+
+
+def torch_from(array: np.ndarray):
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _output_buffers(manifest: Mapping, out_shapes, poison: bool) -> dict[str, Any]:
+    """Host buffers for the outputs at this call's shape (data-symbol dims at the graph's bound),
+    poisoned on request so an element the graph never writes shows as NaN."""
     import torch
 
-    sizes = {**package.manifest["regions"], "arena": g["arena"]}
-    fill = 0xFF if poison else 0
-    regions = {name: torch.full((int(n),), 0 if name == "weights" else fill, dtype=torch.uint8)
-               for name, n in sizes.items()}
-    _fill_weights(package, regions["weights"])
-    return regions
+    buffers: dict[str, Any] = {}
+    for s, shape in zip(manifest["outputs"], out_shapes):
+        if s["dtype"] not in _DTYPES:
+            raise InterpretError(f"output {s['name']!r}: unknown dtype {s['dtype']!r}")
+        nbytes = _numel(shape) * _itemsize(s["dtype"])
+        raw = torch.full((nbytes,), 0xFF if poison else 0, dtype=torch.uint8)
+        buffers[s["name"]] = raw.view(_torch_dtype(s["dtype"])).view(shape)
+    return buffers
 
 
 def _extents(manifest: Mapping, table):
@@ -450,27 +559,6 @@ def _extents(manifest: Mapping, table):
     ext = manifest["table"]["extents"]
     off, count = int(ext["offset"]), int(ext["count"])
     return table[off:off + 8 * count].view(torch.int64)
-
-
-def _io_buffers(manifest: Mapping, arrays: Mapping[str, np.ndarray], out_shapes, poison: bool) -> dict[str, Any]:
-    """Host buffers for user I/O, reached only through the table: inputs copied at their true size,
-    outputs at this call's shape (data-symbol dims at the graph's bound), poisoned on request so an
-    element the graph never writes shows as NaN."""
-    import torch
-
-    buffers: dict[str, Any] = {}
-    for s in manifest["inputs"]:
-        buffers[s["name"]] = torch.from_numpy(np.array(arrays[s["name"]], order="C", copy=True))  # 0-d stays 0-d
-    for s, shape in zip(manifest["outputs"], out_shapes):
-        if s["dtype"] not in _DTYPES:
-            raise InterpretError(f"output {s['name']!r}: unknown dtype {s['dtype']!r}")
-        nbytes = _numel(shape) * _itemsize(s["dtype"])
-        raw = torch.full((nbytes,), 0xFF if poison else 0, dtype=torch.uint8)
-        buffers[s["name"]] = raw.view(_torch_dtype(s["dtype"])).view(shape)
-    missing = [sl["name"] for sl in manifest["table"]["slots"] if sl["name"] not in buffers]
-    if missing:
-        raise InterpretError(f"table slot {missing[0]!r} is neither an input nor an output")
-    return buffers
 
 
 def _data_symbols(plan, g: int, values: list, extents) -> list:

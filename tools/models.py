@@ -130,3 +130,92 @@ class _first_output(nn.Module):
 
     def forward(self, input_ids):
         return self.model(input_ids=input_ids).last_hidden_state
+
+
+# ---- a causal LM with a static KV cache, gpt-fast style ---------------------------------------
+class KVCache(nn.Module):
+    """Static cache as registered buffers, updated in place at device-side positions."""
+
+    def __init__(self, batch, max_seq, n_kv, head_dim, dtype=torch.float32):
+        super().__init__()
+        shape = (batch, n_kv, max_seq, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype))
+
+    def update(self, input_pos, k_val, v_val):  # input_pos: [T]; k_val, v_val: [B, H_kv, T, D]
+        k_out, v_out = self.k_cache, self.v_cache
+        k_out[:, :, input_pos] = k_val
+        v_out[:, :, input_pos] = v_val
+        return k_out, v_out
+
+
+class CachedAttention(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, max_seq, batch=1):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.wqkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.kv_cache = KVCache(batch, max_seq, n_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, mask, input_pos):  # x: [B, T, D]; cos, sin: [T, hd]
+        b, t, _ = x.shape
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k, v = self.kv_cache.update(input_pos, k, v)   # [B, H_kv, max_seq, D]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class CachedBlock(nn.Module):
+    def __init__(self, dim, n_heads, n_kv_heads, hidden, max_seq):
+        super().__init__()
+        self.attention = CachedAttention(dim, n_heads, n_kv_heads, max_seq)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.attention_norm, self.ffn_norm = RMSNorm(dim), RMSNorm(dim)
+
+    def forward(self, x, cos, sin, mask, input_pos):
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask, input_pos)
+        f = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(f)) * self.w3(f))
+
+
+class CachedLlama(nn.Module):
+    """A gpt-fast-style decoder LM: forward(idx [B, T], input_pos [T]) -> logits [B, T, vocab].
+    The KV caches are registered buffers, written in place at `input_pos` (a device tensor), so one
+    exported program serves prefill (T = prompt length) and decode (T = 1)."""
+
+    def __init__(self, vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=172,
+                 max_seq=128, rope_base=10000.0):
+        super().__init__()
+        self.max_seq = max_seq
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            [CachedBlock(dim, n_heads, n_kv_heads, hidden, max_seq) for _ in range(n_layers)])
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        head_dim = dim // n_heads
+        inv = 1.0 / (rope_base ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_seq).float(), inv)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        self.register_buffer("causal_mask",
+                             torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool)),
+                             persistent=False)
+
+    def forward(self, idx, input_pos):  # idx: [B, T] int64, input_pos: [T] int64
+        mask = self.causal_mask[None, None, input_pos]          # [1, 1, T, max_seq]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd]
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask, input_pos)
+        return self.output(self.norm(x))
+

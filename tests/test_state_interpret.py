@@ -1,0 +1,163 @@
+"""Session state and greedy generation end to end on the CPU: a gpt-fast-style decoder (GQA,
+RoPE, SwiGLU, RMSNorm, a static KV cache as registered buffers written at device-side positions)
+compiled with `generate=` and driven through the CPU reference executor (NaN-poisoned arena),
+against torch eager: the generated tokens, the logits of prefill and decode steps, the cache after
+them, two sessions that do not share state, reset_state(), and the limits that are errors before
+anything runs."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+from torch.export import Dim  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.formats import read_package  # noqa: E402
+from grace.tools.models import CachedLlama  # noqa: E402
+
+pytestmark = pytest.mark.slow
+WORKER = pathlib.Path(__file__).with_name("generate_cases.py")
+MAX_SEQ, NEW = 48, 6
+PROMPTS = (7, 21)   # no bucket size (buckets: 1, 16, 48)
+
+
+def _model():
+    torch.manual_seed(0)
+    return CachedLlama(vocab=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=96,
+                       max_seq=MAX_SEQ).eval()
+
+
+def _eager_generate(model, prompt, n):
+    _reset(model)
+    with torch.no_grad():
+        logits = model(prompt[None], torch.arange(len(prompt)))
+        out, pos = [int(logits[0, -1].argmax())], len(prompt)
+        while len(out) < n:
+            logits = model(torch.tensor([[out[-1]]]), torch.tensor([pos]))
+            out.append(int(logits[0, -1].argmax()))
+            pos += 1
+    return out
+
+
+def _reset(model):
+    for layer in model.layers:
+        layer.attention.kv_cache.k_cache.zero_()
+        layer.attention.kv_cache.v_cache.zero_()
+
+
+def rel_err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lm")
+    model = _model()
+    t = Dim("seq", min=1, max=MAX_SEQ)
+    path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                         output=tmp / "lm.grace", progress=False, fp32_matmul="ieee",
+                         dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                         buckets={"seq": [16, MAX_SEQ]},
+                         generate={"tokens": "idx", "positions": "input_pos"})
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128, (n,), generator=gen) for n in PROMPTS]
+    spec = {f"prompt{i}": p.numpy() for i, p in enumerate(prompts)}
+    np.savez(tmp / "spec.npz", new=np.array(NEW), **spec)
+    proc = subprocess.run([sys.executable, str(WORKER), str(path), str(tmp / "spec.npz"),
+                           str(tmp / "out.npz")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(tmp / "out.npz") as data:
+        out = {k: data[k] for k in data.files}
+    return model, prompts, read_package(path).manifest, out
+
+
+def test_package_describes_state_and_generation(results):
+    _, _, manifest, _ = results
+    names = [e["name"] for e in manifest["state"]]
+    assert "layers.0.attention.kv_cache.k_cache" in names and "generate.ctrl" in names
+    assert all(e["init"] == "zeros" for e in manifest["state"])   # zero caches: no bytes stored
+    gen = manifest["generate"]
+    assert gen["capacity"] == MAX_SEQ
+    assert manifest["graphs"][gen["decode_graph"]]["bucket"] == {"seq": 1}
+
+
+def test_generated_tokens_equal_eager_greedy(results):
+    model, prompts, _, out = results
+    for i, prompt in enumerate(prompts):
+        assert out[f"gen{i}"].tolist() == _eager_generate(model, prompt, NEW), i
+
+
+def test_prefill_decode_and_cache_match_eager(results):
+    model, prompts, _, out = results
+    _reset(model)
+    p0 = prompts[0]
+    with torch.no_grad():
+        ref_prefill = model(p0[None], torch.arange(len(p0))).double().numpy()
+        nxt = int(np.argmax(out["prefill"][0, -1]))
+        ref_decode = model(torch.tensor([[nxt]]), torch.tensor([len(p0)])).double().numpy()
+    assert rel_err(out["prefill"], ref_prefill) < 1e-5
+    assert rel_err(out["decode"], ref_decode) < 1e-5
+    for i, layer in enumerate(model.layers):
+        for kind in ("k_cache", "v_cache"):
+            ref = getattr(layer.attention.kv_cache, kind).numpy()
+            got = out[f"stateA/layers.{i}.attention.kv_cache.{kind}"]
+            assert rel_err(got, ref) < 1e-5, (i, kind)
+            assert not got[:, :, len(p0) + 1:].any()   # slots past the written positions stay 0
+
+
+def test_sessions_do_not_share_state_and_reset_restores_it(results):
+    model, prompts, _, out = results
+    _reset(model)
+    with torch.no_grad():
+        ref = model(prompts[1][None], torch.arange(len(prompts[1]))).numpy()
+    assert rel_err(out["other"], ref) < 1e-5   # session B started from zeros
+    for key in [k for k in out if k.startswith("stateA/")]:
+        name = key.split("/", 1)[1]
+        np.testing.assert_array_equal(out[f"stateA_after/{name}"], out[key])
+        assert not out[f"reset/{name}"].any(), name
+
+
+def test_generation_limits_are_errors_before_running(results):
+    _, _, _, out = results
+    assert "the prompt has 49 tokens" in str(out["error_long"])   # longer than the cache
+    assert "exceeds the cache capacity of 48" in str(out["error_past"])
+
+
+class _Counter(torch.nn.Module):
+    """A buffer updated by a whole-value write (not a scatter): stored after its readers."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.full((4,), 2.0))   # a nonzero initial value: stored
+
+    def forward(self, x):
+        old = x * self.n
+        self.n.add_(1)
+        return old + self.n
+
+
+def test_counter_state_carries_across_calls_of_one_session(tmp_path):
+    path = grace_compile(_Counter(), (torch.randn(3, 4),), output=tmp_path / "c.grace",
+                         progress=False)
+    manifest = read_package(path).manifest
+    assert [(e["name"], e["init"]) for e in manifest["state"]] == [("n", "data")]
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    cases = {f"c{i}": {"x": x} for i in range(3)}
+    spec, result = tmp_path / "cases.npz", tmp_path / "result.npz"
+    np.savez(spec, **{f"{c}/{n}": a for c, inputs in cases.items() for n, a in inputs.items()})
+    worker = pathlib.Path(__file__).with_name("interpret_cases.py")
+    proc = subprocess.run([sys.executable, str(worker), str(path), str(spec), str(result),
+                           "session"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    model = _Counter()
+    with np.load(result) as data, torch.no_grad():
+        for i in range(3):
+            ref = model(torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(data[f"c{i}/out"], ref, rtol=1e-6)

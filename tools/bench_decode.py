@@ -1,0 +1,226 @@
+"""Decode benchmark: ms per generated token of a gpt-fast-style Llama with a static KV cache, batch
+1, side by side in one process on one GPU.
+
+    python -m grace.tools.bench_decode --shape 1b --out decode-1b.json
+
+Contenders, all from the same random bf16 weights, after a prefill of `--pos` tokens:
+  eager            the model called once per token (argmax and the next position on the device)
+  reduce-overhead  torch.compile(mode="reduce-overhead", fullgraph=True) of the decode step, the
+                   way gpt-fast serves it (CUDA graphs, cache updated in place)
+  grace run()      Session.run() per token on device tensors, argmax by torch
+  grace generate() Session.generate(): prefill, then every decode step inside one CUDA graph
+                   WHILE loop; per token = (time for N+1 tokens - time for 1 token) / N
+Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes). The HBM
+fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
+positions up to the current one) / time / 4.3 TB/s (the copy rate measured on the H200).
+grace's package is compiled on the machine that runs the benchmark (--workdir).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+COPY_RATE = 4.3e12   # bytes/s, H200 device-to-device copy (design.md §4)
+SHAPES = {
+    # gpt-fast's configs (Llama-3.2-1B, Llama-3-8B), cache 2048
+    "1b": dict(vocab=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden=8192),
+    "8b": dict(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden=14336),
+    "tiny": dict(vocab=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, hidden=688),
+}
+
+
+def _log(msg):
+    print(f"[decode] {msg}", file=sys.stderr, flush=True)
+
+
+def _model(shape, max_seq):
+    import torch
+    from grace.tools.models import CachedLlama
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = CachedLlama(max_seq=max_seq, rope_base=500000.0, **SHAPES[shape]).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.no_grad():   # small weights keep bf16 logits finite and argmax meaningful
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    model.rope_cos = model.rope_cos.to(torch.bfloat16)   # the rotary tables and caches in bf16 too
+    model.rope_sin = model.rope_sin.to(torch.bfloat16)
+    for layer in model.layers:
+        kv = layer.attention.kv_cache
+        kv.k_cache = kv.k_cache.to(torch.bfloat16)
+        kv.v_cache = kv.v_cache.to(torch.bfloat16)
+    return model
+
+
+def _reset(model):
+    for layer in model.layers:
+        layer.attention.kv_cache.k_cache.zero_()
+        layer.attention.kv_cache.v_cache.zero_()
+
+
+def bytes_per_token(model, pos: int) -> int:
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if "tok_embeddings" not in n)
+    attn = model.layers[0].attention
+    kv = 2 * len(model.layers) * attn.n_kv * attn.head_dim * (pos + 1) * 2
+    return weights + kv
+
+
+def _time_tokens(step, tok, pos, steps, repeats, sync):
+    """Best of `repeats` passes of `steps` decode steps: ms per token."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        t, p = tok, pos
+        for _ in range(steps):
+            t, p = step(t, p)
+        sync()
+        best = min(best, (time.perf_counter() - t0) / steps * 1e3)
+    return best
+
+
+def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),
+        out=None) -> dict:
+    import numpy as np
+    import torch
+    from torch.export import Dim
+
+    import grace.aot
+    from grace.runtime import load
+
+    res = {"shape": shape, "pos": pos, "max_seq": max_seq, "steps": steps, "config": SHAPES[shape],
+           "ms_per_token": {}, "errors": {}}
+    model = _model(shape, max_seq)
+    need = bytes_per_token(model, pos)
+    res["bytes_per_token"] = need
+    prompt = torch.randint(0, SHAPES[shape]["vocab"], (pos,), generator=torch.Generator().manual_seed(1))
+
+    # grace: compile (CPU weights), then load
+    t0 = time.perf_counter()
+    path = workdir / f"decode-{shape}.grace"
+    t = Dim("seq", min=1, max=min(1024, max_seq))
+    grace.aot.compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                      output=path, progress=False, dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                      buckets={"seq": [1, min(1024, max_seq)]},
+                      generate={"tokens": "idx", "positions": "input_pos"})
+    res["grace_compile_s"] = time.perf_counter() - t0
+    _log(f"compiled in {res['grace_compile_s']:.1f} s")
+    t0 = time.perf_counter()
+    pkg = load(path, instantiate="eager")
+    sess = pkg.session()
+    sess.sync()
+    res["grace_load_s"] = time.perf_counter() - t0
+
+    model = model.cuda()
+    sync = torch.cuda.synchronize
+    dev_prompt = prompt.cuda()
+
+    def prefill_eager():
+        _reset(model)
+        with torch.no_grad():
+            logits = model(dev_prompt[None], torch.arange(pos, device="cuda"))
+        return logits[0, -1].argmax().view(1, 1), torch.tensor([pos], device="cuda")
+
+    # eager
+    def eager_step(tok, p):
+        with torch.no_grad():
+            logits = model(tok, p)
+        return logits[0, -1].argmax().view(1, 1), p + 1
+
+    tok, p = prefill_eager()
+    ref_tokens = [int(tok)]
+    t_, p_ = tok, p
+    for _ in range(steps - 1):
+        t_, p_ = eager_step(t_, p_)
+        ref_tokens.append(int(t_))
+    res["ms_per_token"]["eager"] = _time_tokens(eager_step, tok, p, steps, repeats, sync)
+    _log(f"eager {res['ms_per_token']['eager']:.3f} ms/token")
+
+    # reduce-overhead, gpt-fast's way
+    try:
+        compiled = torch.compile(eager_step, mode="reduce-overhead", fullgraph=True)
+        tok, p = prefill_eager()
+        for _ in range(3):
+            compiled(tok, p)
+        tok, p = prefill_eager()
+        res["ms_per_token"]["reduce-overhead"] = _time_tokens(compiled, tok, p, steps, repeats, sync)
+        _log(f"reduce-overhead {res['ms_per_token']['reduce-overhead']:.3f} ms/token")
+    except Exception as e:  # recorded, the others still run
+        res["errors"]["reduce-overhead"] = f"{type(e).__name__}: {e}"[:2000]
+
+    # grace run() per token
+    def grace_step(tok, p):
+        logits = torch.from_dlpack(sess.run(idx=tok, input_pos=p)["out"])
+        return logits[0, -1].argmax().view(1, 1), p + 1
+
+    sess.reset_state()
+    logits = torch.from_dlpack(sess.run(idx=dev_prompt[None], input_pos=torch.arange(pos, device="cuda"))["out"])
+    tok, p = logits[0, -1].argmax().view(1, 1), torch.tensor([pos], device="cuda")
+    res["ms_per_token"]["grace run()"] = _time_tokens(grace_step, tok, p, steps, repeats, sync)
+    _log(f"grace run() {res['ms_per_token']['grace run()']:.3f} ms/token")
+
+    # grace generate(): on-device loop
+    host_prompt = prompt.numpy()
+    got = sess.generate(host_prompt, steps)
+    res["grace_tokens_equal_eager"] = int(sum(a == b for a, b in zip(got.tolist(), ref_tokens)))
+
+    def timed_generate(n):
+        best = float("inf")
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            sess.generate(host_prompt, n)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    one, many = timed_generate(1), timed_generate(steps + 1)
+    res["grace_generate_prefill_ms"] = one * 1e3
+    res["ms_per_token"]["grace generate()"] = (many - one) / steps * 1e3
+    _log(f"grace generate() {res['ms_per_token']['grace generate()']:.3f} ms/token")
+    res["hbm_fraction"] = {k: need / (v * 1e-3) / COPY_RATE for k, v in res["ms_per_token"].items()}
+    res["grace_graphs"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
+                           for g in pkg.manifest["graphs"]]
+    if out:
+        Path(out).write_text(json.dumps(res, indent=2))
+    return res
+
+
+def format_table(res) -> str:
+    ro = res["ms_per_token"].get("reduce-overhead")
+    lines = [f"decode {res['shape']} bf16, batch 1, cache {res['max_seq']}, position {res['pos']}, "
+             f"{res['bytes_per_token'] / 1e9:.2f} GB/token",
+             f"{'contender':<18} {'ms/token':>9} {'HBM':>6} {'÷ r-o':>7}"]
+    for k, v in res["ms_per_token"].items():
+        ratio = f"{v / ro:7.2f}" if ro else "      -"
+        lines.append(f"{k:<18} {v:9.3f} {res['hbm_fraction'][k]:6.1%} {ratio}")
+    lines.append(f"grace tokens equal to eager: {res.get('grace_tokens_equal_eager')}/{res['steps']}; "
+                 f"compile {res.get('grace_compile_s', 0):.0f} s, load {res.get('grace_load_s', 0):.2f} s")
+    for k, e in res["errors"].items():
+        lines.append(f"error {k}: {e[:200]}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--pos", type=int, default=1000, help="prefill length = decode position")
+    ap.add_argument("--max-seq", type=int, default=2048, help="KV-cache slots")
+    ap.add_argument("--steps", type=int, default=64, help="tokens per timed pass")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--out", help="write the results as JSON")
+    a = ap.parse_args(argv)
+    res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out)
+    print(format_table(res))
+
+
+if __name__ == "__main__":
+    main()
