@@ -95,7 +95,9 @@ def _dim_valid(w: Writer, entry, idx: str) -> str | None:
 
 
 # ---- pointwise --------------------------------------------------------------------------------
-def pointwise(kernel: Kernel, w: Writer):
+def _flat_block(kernel: Kernel, w: Writer) -> tuple[int, Ctx]:
+    """A flat block of the kernel's index space per program, masked past its end and past the
+    true extents (returning early from programs wholly past them)."""
     n = numel(kernel.out_shape)
     block = min(1024, next_pow2(max(n, 16)))
     idx_t = "tl.int64" if n >= 2**31 else "tl.int32"
@@ -106,9 +108,19 @@ def pointwise(kernel: Kernel, w: Writer):
     if kernel.ext is not None:
         _exit_outer(w, kernel.out_shape, kernel.ext, f"tl.program_id(0) * {block}")
         ctx.mask = and_mask(w, "valid", mask, ctx.valid(kernel.ext))
+    return block, ctx
+
+
+def _flat_launch(kernel: Kernel, block: int):
+    return (cdiv(numel(kernel.out_shape), block), 1, 1), (4 if block >= 512 else 2 if block >= 128
+                                                         else 1), 1
+
+
+def pointwise(kernel: Kernel, w: Writer):
+    block, ctx = _flat_block(kernel, w)
     value = ExprEmitter(w).value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{block}]")
-    return (cdiv(n, block), 1, 1), (4 if block >= 512 else 2 if block >= 128 else 1), 1
+    return _flat_launch(kernel, block)
 
 
 # ---- in-place partial writes (KV-cache updates) ---------------------------------------------
@@ -116,16 +128,7 @@ def scatter(kernel: Kernel, w: Writer):
     """Store a value per element of an index space at a computed position of `out` (a state
     buffer, or an arena copy): `out[coords(i)] = value(i)`. Positions outside `out` are not
     written (an out-of-range index would otherwise corrupt neighbouring state)."""
-    n = numel(kernel.out_shape)
-    block = min(1024, next_pow2(max(n, 16)))
-    idx_t = "tl.int64" if n >= 2**31 else "tl.int32"
-    w.emit(f"offs = tl.program_id(0).to({idx_t}) * {block} + tl.arange(0, {block})")
-    mask = _mask(w, "mask", None if n % block == 0 else f"offs < {n}")
-    w.emit(f"zero = tl.zeros([{block}], tl.int32)")
-    ctx = Ctx(w, kernel.out_shape, linear="offs", mask=mask, zero="zero")
-    if kernel.ext is not None:
-        _exit_outer(w, kernel.out_shape, kernel.ext, f"tl.program_id(0) * {block}")
-        ctx.mask = and_mask(w, "valid", mask, ctx.valid(kernel.ext))
+    block, ctx = _flat_block(kernel, w)
     emitter = ExprEmitter(w)
     value = emitter.value(kernel.epilogue, ctx)
     shape = kernel.out.shape
@@ -142,7 +145,7 @@ def scatter(kernel: Kernel, w: Writer):
     store_mask = f", mask=tl.broadcast_to({' & '.join(masks)}, [{block}])" if masks else ""
     w.emit(f"tl.store({w.ptr(kernel.out)} + tl.broadcast_to({addr}, [{block}]), "
            f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[kernel.out.dtype]}){store_mask})")
-    return (cdiv(n, block), 1, 1), (4 if block >= 512 else 2 if block >= 128 else 1), 1
+    return _flat_launch(kernel, block)
 
 
 # ---- reductions -------------------------------------------------------------------------------

@@ -33,24 +33,6 @@ def _model():
                        max_seq=MAX_SEQ).eval()
 
 
-def _eager_generate(model, prompt, n):
-    _reset(model)
-    with torch.no_grad():
-        logits = model(prompt[None], torch.arange(len(prompt)))
-        out, pos = [int(logits[0, -1].argmax())], len(prompt)
-        while len(out) < n:
-            logits = model(torch.tensor([[out[-1]]]), torch.tensor([pos]))
-            out.append(int(logits[0, -1].argmax()))
-            pos += 1
-    return out
-
-
-def _reset(model):
-    for layer in model.layers:
-        layer.attention.kv_cache.k_cache.zero_()
-        layer.attention.kv_cache.v_cache.zero_()
-
-
 def rel_err(got, ref) -> float:
     got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
@@ -91,12 +73,12 @@ def test_package_describes_state_and_generation(results):
 def test_generated_tokens_equal_eager_greedy(results):
     model, prompts, _, out = results
     for i, prompt in enumerate(prompts):
-        assert out[f"gen{i}"].tolist() == _eager_generate(model, prompt, NEW), i
+        assert out[f"gen{i}"].tolist() == model.greedy(prompt, NEW), i
 
 
 def test_prefill_decode_and_cache_match_eager(results):
     model, prompts, _, out = results
-    _reset(model)
+    model.reset_cache()
     p0 = prompts[0]
     with torch.no_grad():
         ref_prefill = model(p0[None], torch.arange(len(p0))).double().numpy()
@@ -114,7 +96,7 @@ def test_prefill_decode_and_cache_match_eager(results):
 
 def test_sessions_do_not_share_state_and_reset_restores_it(results):
     model, prompts, _, out = results
-    _reset(model)
+    model.reset_cache()
     with torch.no_grad():
         ref = model(prompts[1][None], torch.arange(len(prompts[1]))).numpy()
     assert rel_err(out["other"], ref) < 1e-5   # session B started from zeros

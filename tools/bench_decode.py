@@ -59,12 +59,6 @@ def _model(shape, max_seq):
     return model
 
 
-def _reset(model):
-    for layer in model.layers:
-        layer.attention.kv_cache.k_cache.zero_()
-        layer.attention.kv_cache.v_cache.zero_()
-
-
 def bytes_per_token(model, pos: int) -> int:
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                   if "tok_embeddings" not in n)
@@ -124,7 +118,7 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
     dev_prompt = prompt.cuda()
 
     def prefill_eager():
-        _reset(model)
+        model.reset_cache()
         with torch.no_grad():
             logits = model(dev_prompt[None], torch.arange(pos, device="cuda"))
         return logits[0, -1].argmax().view(1, 1), torch.tensor([pos], device="cuda")

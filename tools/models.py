@@ -211,6 +211,24 @@ class CachedLlama(nn.Module):
                              torch.tril(torch.ones(max_seq, max_seq, dtype=torch.bool)),
                              persistent=False)
 
+    def reset_cache(self):
+        for layer in self.layers:
+            layer.attention.kv_cache.k_cache.zero_()
+            layer.attention.kv_cache.v_cache.zero_()
+
+    @torch.no_grad()
+    def greedy(self, prompt, n: int) -> list[int]:
+        """Eager greedy decoding (the reference for generate()): n new ids after a 1-D prompt."""
+        self.reset_cache()
+        dev = self.causal_mask.device
+        logits = self(prompt[None].to(dev), torch.arange(len(prompt), device=dev))
+        out, pos = [int(logits[0, -1].argmax())], len(prompt)
+        while len(out) < n:
+            logits = self(torch.tensor([[out[-1]]], device=dev), torch.tensor([pos], device=dev))
+            out.append(int(logits[0, -1].argmax()))
+            pos += 1
+        return out
+
     def forward(self, idx, input_pos):  # idx: [B, T] int64, input_pos: [T] int64
         mask = self.causal_mask[None, None, input_pos]          # [1, 1, T, max_seq]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, hd]

@@ -33,24 +33,6 @@ def _model(dtype=torch.float32):
     return m.to(dtype)
 
 
-def _reset(model):
-    for layer in model.layers:
-        layer.attention.kv_cache.k_cache.zero_()
-        layer.attention.kv_cache.v_cache.zero_()
-
-
-def _eager_generate(model, prompt, n):
-    _reset(model)
-    with torch.no_grad():
-        logits = model(prompt[None], torch.arange(len(prompt)))
-        out, pos = [int(logits[0, -1].argmax())], len(prompt)
-        while len(out) < n:
-            logits = model(torch.tensor([[out[-1]]]), torch.tensor([pos]))
-            out.append(int(logits[0, -1].argmax()))
-            pos += 1
-    return out
-
-
 def _compile(model, path, **kw):
     t = Dim("seq", min=1, max=MAX_SEQ)
     return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
@@ -79,12 +61,12 @@ def test_generate_fp32_equals_eager_greedy(fp32):
     sess = pkg.session(poison=True)
     for prompt in prompts:
         got = sess.generate(prompt.numpy(), NEW)
-        assert got.tolist() == _eager_generate(model, prompt, NEW)
+        assert got.tolist() == model.greedy(prompt, NEW)
 
 
 def test_generate_stops_at_eos(fp32):
     model, pkg, prompts = fp32
-    ref = _eager_generate(model, prompts[0], NEW)
+    ref = model.greedy(prompts[0], NEW)
     eos = ref[5]
     first = ref.index(eos)
     got = pkg.session().generate(prompts[0].numpy(), NEW, eos_token_id=eos)
@@ -97,7 +79,7 @@ def test_state_is_per_session_and_reset(fp32):
     p0, p1 = prompts
     out_a = a.run(idx=p0[None].numpy(), input_pos=np.arange(len(p0)))["out"].numpy()
     b.run(idx=p1[None].numpy(), input_pos=np.arange(len(p1)))
-    _reset(model)
+    model.reset_cache()
     with torch.no_grad():
         ref = model(p0[None], torch.arange(len(p0))).numpy()
     assert _rel(out_a, ref) < 1e-5
@@ -117,7 +99,7 @@ def test_bf16_logits_close_to_fp32(tmp_path):
     prompt = torch.randint(0, 512, (33,), generator=torch.Generator().manual_seed(2))
     got = sess.run(idx=prompt[None].numpy(), input_pos=np.arange(33))["out"]
     got = torch.from_dlpack(got).float().cpu().numpy()
-    _reset(model32)
+    model32.reset_cache()
     with torch.no_grad():
         ref = model32(prompt[None], torch.arange(33)).numpy()
     assert _rel(got, ref) < 2e-2
