@@ -78,6 +78,7 @@ class Lowering:
         self.outputs: list[Buffer] = []
         self.weights: list[Buffer] = []
         self.weight_data: dict[str, torch.Tensor] = {}
+        self._weight_of: dict[tuple, Buffer] = {}   # storage view -> its weight (tied weights)
         # session state: the buffers the program mutates (KV caches, counters), by buffer name
         sig = program.graph_signature
         self.mutated = set(sig.buffers_to_mutate.values())
@@ -206,9 +207,16 @@ class Lowering:
             return views.contiguous_load(buf)
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             tensor = state[spec.target].detach()
-            buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "weight", spec.target)
-            self.weights.append(buf)
-            self.weight_data[buf.name] = tensor.contiguous().cpu()
+            # Tied weights (an LM head sharing the embedding table) are one tensor under two
+            # names: give them one buffer, so the package stores and uploads the bytes once.
+            key = (tensor.device.type, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                   tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            buf = self._weight_of.get(key) if tensor.numel() else None
+            if buf is None:
+                buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "weight", spec.target)
+                self.weights.append(buf)
+                self.weight_data[buf.name] = tensor.contiguous().cpu()
+                self._weight_of[key] = buf
             return views.contiguous_load(buf)
         raise LoweringError(f"input '{node.name}' of kind {spec.kind.name} is not supported")
 

@@ -66,8 +66,9 @@ def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict) -> dic
             "dtype": "int64"}
 
 
-def weight_bytes(tensor: torch.Tensor) -> bytes:
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+def weight_bytes(tensor: torch.Tensor):
+    """The tensor's bytes as a numpy view (no copy; it keeps the tensor alive) for a TensorBlob."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: dict,
@@ -132,7 +133,7 @@ def _shape(sizes, names: dict) -> list:
 def _state_entries(program: Program, plan: MemoryPlan, sections: dict) -> list[dict]:
     """Session state: zero-filled buffers are described, not stored (a cache of zeros costs no
     bytes in the file); any other initial value goes into the `state` section."""
-    from grace.formats import encode_state
+    from grace.formats import TensorBlob
 
     entries, data = [], {}
     for b in program.state:
@@ -144,7 +145,7 @@ def _state_entries(program: Program, plan: MemoryPlan, sections: dict) -> list[d
         if not zeros:
             data[b.name] = (b.dtype, tuple(b.shape), weight_bytes(tensor))
     if data:
-        sections["state"] = encode_state(data)
+        sections["state"] = TensorBlob(data)
     return entries
 
 
@@ -164,9 +165,9 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
                    extents: dict, table_nbytes: int, step=None) -> tuple[dict, dict[str, bytes]]:
     import triton
 
-    from grace.formats import encode_weights
+    from grace.formats import TensorBlob
 
-    sections: dict[str, bytes] = {}
+    sections: dict = {}
     kernel_entries, unique = _kernel_entries(writer, graphs, binaries, archs, sections,
                                              [step.source] if step else ())
     first = graphs[0]
@@ -205,7 +206,8 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
     if step is not None:
         manifest["generate"] = _generate_entry(step, first, slots, extents)
         manifest["generate"]["step"]["kernel"] = unique[step.source.name]
-    sections["weights"] = encode_weights({
+    # streamed from the weight tensors into the file: an 8B model's weights are not copied in RAM
+    sections["weights"] = TensorBlob({
         b.name: (b.dtype, tuple(b.shape), weight_bytes(program.weight_data[b.name]))
         for b in program.weights})
     return manifest, sections

@@ -11,10 +11,10 @@ from .errors import (BadMagicError, ChecksumError, FormatError, ManifestError, T
 from .manifest import Symbol, validate_manifest, validated_symbols
 from .package import Package, read_package, write_package
 from .shapes import SHAPE_OPS, eval_shape_expr, expr_symbols, format_shape_expr, select_graph
-from .weights import decode_state, decode_weights, encode_state, encode_weights
+from .weights import TensorBlob, decode_state, decode_weights, encode_state, encode_weights
 
 __all__ = [
-    "write_package", "read_package", "Package", "encode_weights", "decode_weights", "encode_state",
+    "write_package", "read_package", "Package", "TensorBlob", "encode_weights", "decode_weights", "encode_state",
     "decode_state",
     "validate_manifest", "validated_symbols", "Symbol", "eval_shape_expr", "expr_symbols",
     "format_shape_expr", "select_graph", "SHAPE_OPS", "FORMAT_VERSION", "DTYPES", "FormatError", "BadMagicError",

@@ -1,4 +1,4 @@
-"""Schema validation of the manifest, format 3.0 (SPEC.md §3, docs/architecture.md).
+"""Schema validation of the manifest, format 3.x (SPEC.md §3, docs/architecture.md).
 
 The runtime launches kernels with raw device pointers computed from these numbers, so a single bad
 offset becomes an out-of-bounds write on the GPU. Everything that feeds a pointer, a size or a launch

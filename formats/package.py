@@ -16,10 +16,10 @@ import tempfile
 
 import msgpack
 
-from .container import FORMAT_VERSION, Container, parse_container, write_container
+from .container import COMPANION_PREFIX, FORMAT_VERSION, Container, parse_container, write_container
 from .errors import FormatError, ManifestError
 from .manifest import validate_manifest
-from .weights import decode_weights
+from .weights import TensorBlob, decode_weights
 
 _MAX_MANIFEST = 256 * 1024 * 1024
 
@@ -47,14 +47,21 @@ def _tensor_sections(manifest: dict):
     yield "state", [(i, s) for i, s in enumerate(manifest["state"]) if s["init"] == "data"]
 
 
+def _tensor_specs(data, section: str) -> dict:
+    """{tensor: (dtype, shape)} of a tensor section: bytes are decoded, a TensorBlob describes itself."""
+    if isinstance(data, TensorBlob):
+        return data.tensors
+    return {k: (d, s) for k, (d, s, _) in decode_weights(data, section=section).items()}
+
+
 def _check_tensor_sections(manifest: dict, section) -> None:
-    """Decode each tensor section that the manifest needs (`section(name)` gives its bytes) and check
-    that every entry names a tensor of the same dtype and shape in it. Runs after validate_manifest,
-    which has already checked that these sections exist."""
+    """Decode each tensor section that the manifest needs (`section(name)` gives its bytes or its
+    TensorBlob) and check that every entry names a tensor of the same dtype and shape in it. Runs
+    after validate_manifest, which has already checked that these sections exist."""
     for name, entries in _tensor_sections(manifest):
         if not entries:
             continue
-        tensors = decode_weights(section(name), section=name)
+        tensors = _tensor_specs(section(name), name)
         for i, e in entries:
             t = tensors.get(e["name"])
             if t is None:
@@ -65,10 +72,16 @@ def _check_tensor_sections(manifest: dict, section) -> None:
 
 
 def write_package(path, manifest: dict, sections: dict) -> None:
-    """Validate, then write atomically: a crash leaves either the old file or the new one."""
+    """Validate, then write atomically: a crash leaves either the old file or the new one.
+
+    A section is bytes-like or a TensorBlob (streamed from the caller's tensors, never copied)."""
     if not isinstance(manifest, dict):
         raise ManifestError(f"manifest: expected a map, got {type(manifest).__name__}")
     manifest = {**manifest, "format_version": list(FORMAT_VERSION)}
+    for name in sections:
+        if isinstance(name, str) and name.startswith(COMPANION_PREFIX):
+            raise FormatError(f"section {name!r}: names under {COMPANION_PREFIX!r} are the chunk "
+                              "hashes the writer adds itself")
     validate_manifest(manifest, section_names=list(sections))
     try:
         blob = msgpack.packb(manifest, use_bin_type=True)

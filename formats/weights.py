@@ -1,9 +1,13 @@
 """The weights and state sections: standard safetensors blobs, encoded without torch, decoded zero-copy.
 
 safetensors is the interchange format everyone can already read (`safetensors.safe_open` works on an
-extracted section), and it carries bfloat16 as plain bytes. We encode through the safetensors library
-so the blob is exactly what it would write, but decode the (tiny) JSON header ourselves: the library
-copies tensor data into new `bytes`, while the runtime wants views straight into the mmapped package.
+extracted section), and it carries bfloat16 as plain bytes. Its layout is tiny and documented (an
+8-byte header length, a JSON header padded with spaces to 8 bytes, then the tensors back to back), so
+we write it ourselves, in the library's own tensor order and header spelling (a test checks the bytes
+against `safetensors.serialize`): a `TensorBlob` is only that header plus views of the caller's
+tensors, streamed into the package by the container writer, so an 8B model's 16 GB of weights are
+never copied in memory on the way to disk. We decode the header ourselves too: the library copies
+tensor data into new `bytes`, while the runtime wants views straight into the mmapped package.
 The `state` section (the initial values of session state with init "data", format 3.0) has the same
 layout, so it has the same codec; `decode_state` only makes its errors name the state section.
 """
@@ -13,9 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import struct
-
-import numpy as np
-import safetensors
 
 from .dtypes import DTYPES, SAFETENSORS_TO_DTYPE, numel
 from .errors import FormatError
@@ -45,24 +46,51 @@ def _check_tensor(name, dtype, shape, data) -> tuple[tuple[int, ...], memoryview
     return shape, view
 
 
+# safetensors writes tensors sorted by (dtype, descending, in its enum order; then name), which puts
+# wide types first and so keeps every tensor aligned to its own itemsize within the data.
+_ORDER = {code: i for i, code in enumerate(["I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8",
+                                            "U8", "BOOL"])}
+assert set(_ORDER) == set(SAFETENSORS_TO_DTYPE)
+
+
+class TensorBlob:
+    """A safetensors blob that is never assembled: its JSON header plus views of the tensors' bytes.
+
+    `nbytes` and `tensors` ({name: (dtype, shape)}) describe it; `chunks()` yields the header, then
+    each tensor's view, in file order. The views alias the caller's buffers, which must stay alive
+    and unchanged until the blob is written.
+    """
+
+    def __init__(self, tensors: dict):
+        checked = []
+        for name, (dtype, shape, data) in tensors.items():
+            shape, view = _check_tensor(name, dtype, shape, data)
+            checked.append((name, dtype, shape, view))
+        checked.sort(key=lambda t: (_ORDER[DTYPES[t[1]][1]], t[0]))
+        header, offset = {}, 0
+        for name, dtype, shape, view in checked:
+            header[name] = {"dtype": DTYPES[dtype][1], "shape": list(shape),
+                            "data_offsets": [offset, offset + view.nbytes]}
+            offset += view.nbytes
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)
+        self._header = struct.pack("<Q", len(text)) + text
+        self._views = [view for *_, view in checked]
+        self.tensors = {name: (dtype, shape) for name, dtype, shape, _ in checked}
+        self.nbytes = len(self._header) + offset
+
+    def chunks(self):
+        yield memoryview(self._header)
+        yield from self._views
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.chunks())
+
+
 def encode_weights(tensors: dict) -> bytes:
-    """Serialize {name: (dtype, shape, data)} into a safetensors blob; `data` is raw little-endian bytes."""
-    specs, keep_alive = {}, []
-    for name, (dtype, shape, data) in tensors.items():
-        shape, view = _check_tensor(name, dtype, shape, data)
-        arr = np.frombuffer(view, dtype=np.uint8)  # only to obtain a stable data pointer
-        keep_alive.append(arr)
-        specs[name] = (dtype, shape, arr)
-    if hasattr(safetensors, "TensorSpec"):  # safetensors >= 0.7: raw pointers
-        payload = {n: safetensors.TensorSpec(dtype=d, shape=list(s), data_ptr=a.ctypes.data,
-                                             data_len=a.nbytes)
-                   for n, (d, s, a) in specs.items()}
-    else:  # older safetensors: dicts holding the bytes
-        payload = {n: {"dtype": d, "shape": list(s), "data": a.tobytes()}
-                   for n, (d, s, a) in specs.items()}
-    blob = bytes(safetensors.serialize(payload))
-    del keep_alive
-    return blob
+    """Serialize {name: (dtype, shape, data)} into a safetensors blob; `data` is raw little-endian
+    bytes. This copies every tensor once: the compiler streams a `TensorBlob` instead."""
+    return bytes(TensorBlob(tensors))
 
 
 def _no_duplicate_keys(section, pairs):

@@ -5,7 +5,8 @@
               arguments against their regions, its own arena and the table (graph.plan_graph)
     device    cuInit, primary context; the GPU's arch picks the kernel binaries (PackageMismatchError)
     kernels   cuModuleLoadData + cuModuleGetFunction per kernel; opt in to >48 KiB shared memory
-    weights   one cuMemAlloc for the weights region; each tensor copied to base + offset
+    weights   one cuMemAlloc for the weights region; each tensor copied to base + offset from the
+              mapped file, its pages registered (pinned) for the copies (upload.py)
     state     the `state` entries checked and their initial bytes decoded once (state.plan_state);
               every session allocates and initialises its own copy
     generate  with a `generate` map: its step node and state entries checked (generate.GeneratePlan);
@@ -19,10 +20,9 @@ selects it, "eager" all of them when the session is made (no first-call latency 
 from __future__ import annotations
 
 import re
+import time
 import weakref
 from typing import NamedTuple
-
-import numpy as np
 
 from . import driver, graph
 from .driver import call
@@ -30,6 +30,7 @@ from .errors import GraceRuntimeError, InvalidPackageError, PackageMismatchError
 from .generate import SET_CONDITION_NAME, SET_CONDITION_PTX, GeneratePlan
 from .shapes import ShapePlan
 from .state import plan_state
+from .upload import upload
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
 INSTANTIATE_MODES = ("lazy", "eager")
@@ -96,7 +97,12 @@ def load(path, device: int = 0, instantiate: str = "lazy") -> "LoadedPackage":
     _check_instantiate(instantiate)  # before reading the file
     from grace.formats import read_package  # the reader pulls in safetensors: import on first use
 
-    return LoadedPackage(read_package(path), device, instantiate)
+    t0 = time.perf_counter()
+    package = read_package(path)
+    t1 = time.perf_counter()
+    loaded = LoadedPackage(package, device, instantiate)
+    loaded.load_stats.update(read_s=t1 - t0, total_s=time.perf_counter() - t0)
+    return loaded
 
 
 class LoadedPackage:
@@ -105,7 +111,9 @@ class LoadedPackage:
     `inputs` / `outputs`: lists of TensorSpec (name, dtype, shape, slot) in manifest order.
     `graph_names`: one per bucket; `plans[i]`: graph i's NodePlans; `shapes`: the ShapePlan.
     `state`: the StateEntry list (empty for a stateless package); `generate`: the GeneratePlan, or
-    None when the package was compiled without --generate.
+    None when the package was compiled without --generate. `load_stats`: seconds spent reading and
+    verifying the file (read_s, set by load()), loading kernels (kernels_s) and uploading the weights
+    (weights_s, weights_nbytes, upload: the copy method).
     """
 
     def __init__(self, package, device: int = 0, instantiate: str = "lazy"):
@@ -127,11 +135,15 @@ class LoadedPackage:
         self.extents_offset = manifest["table"]["extents"]["offset"]  # symbol k: 8 bytes at + 8k
         self.state = plan_state(manifest, package)
         self.generate = GeneratePlan(manifest, self.state) if manifest.get("generate") else None
+        self.load_stats = {}
         self.device = driver.Device(device)
         try:
             self.arch = pick_arch(self.device.capability, manifest["archs"])
+            t0 = time.perf_counter()
             self._load_kernels(package)
+            t1 = time.perf_counter()
             self._upload_weights(package)
+            self.load_stats.update(kernels_s=t1 - t0, weights_s=time.perf_counter() - t1)
         except BaseException:
             self.close()
             raise
@@ -162,7 +174,9 @@ class LoadedPackage:
             return
         from grace.formats import decode_weights
 
-        tensors = decode_weights(package.section("weights"))
+        section = package.section("weights")
+        tensors = decode_weights(section)
+        copies = []
         for w in weights:
             name = w["name"]
             if name not in tensors:
@@ -174,8 +188,9 @@ class LoadedPackage:
             if w["offset"] < 0 or w["offset"] + w["nbytes"] > size:
                 raise InvalidPackageError(f"weight {name!r} at [{w['offset']}, {w['offset'] + w['nbytes']}) "
                                           f"lies outside the weights region ({size} bytes)")
-            host = np.frombuffer(data, dtype=np.uint8)  # a view of the package bytes: no copy
-            driver.copy_htod(self.weights_ptr + w["offset"], host.ctypes.data, host.nbytes)
+            copies.append((self.weights_ptr + w["offset"], data))  # a view of the package bytes
+        info = upload(copies, section)
+        self.load_stats.update(weights_nbytes=info["bytes"], upload=info["method"])
 
     def set_condition_function(self):
         """The runtime's set_condition kernel (generate.SET_CONDITION_PTX), JIT-compiled by the driver

@@ -1,4 +1,4 @@
-"""The .grace container (format 3.0): round trips, and typed rejection of every kind of bad file.
+"""The .grace container (format 3.1): round trips, and typed rejection of every kind of bad file.
 
 Two manifests are exercised: a static one (no symbols, one graph) and a shape-bucket one (two input
 symbols and a data symbol, one graph per bucket); both stateless (`state: []`). Session state and
@@ -219,7 +219,7 @@ def test_round_trip_from_file(tmp_path):
     pkg = read_package(path)
     assert isinstance(pkg, Package)
     assert pkg.format_version == FORMAT_VERSION
-    assert pkg.manifest == {**manifest, "format_version": [3, 0]}
+    assert pkg.manifest == {**manifest, "format_version": list(FORMAT_VERSION)}
     assert pkg.section_names == list(sections)
     for name, data in sections.items():
         assert bytes(pkg.section(name)) == data
@@ -319,8 +319,8 @@ def test_wrong_magic(pkg_bytes):
         read_package(pkg_bytes[:5])
 
 
-def test_format_version_is_3_0():
-    assert FORMAT_VERSION == (3, 0)
+def test_format_version_is_3_1():
+    assert FORMAT_VERSION == (3, 1)
 
 
 @pytest.mark.parametrize("major", [0, 1, 2, 4, 65535])
@@ -328,7 +328,7 @@ def test_unknown_major_version(pkg_bytes, major):
     data = bytearray(pkg_bytes)
     data[8:10] = struct.pack("<H", major)
     with pytest.raises(UnsupportedVersionError,
-                       match=rf"version {major}\.0 .*3\.x, up to 3\.0\): recompile the model with this grace"):
+                       match=rf"version {major}\.\d+ .*3\.x, up to 3\.1\): recompile the model with this grace"):
         read_package(bytes(data))
 
 
@@ -368,7 +368,7 @@ def test_newer_minor_version_is_accepted():
 
 
 def test_manifest_version_must_match_header():
-    data = packed({**make_manifest(), "format_version": [3, 1]}, version=(3, 0))
+    data = packed({**make_manifest(), "format_version": [3, 0]}, version=(3, 1))
     with pytest.raises(ManifestError, match="format_version"):
         read_package(data)
 
@@ -623,8 +623,8 @@ def test_dyn_round_trip(tmp_path):
     path = tmp_path / "dyn.grace"
     write_package(path, manifest, sections)
     with read_package(path) as pkg:
-        assert pkg.format_version == (3, 0)
-        assert pkg.manifest == {**manifest, "format_version": [3, 0]}
+        assert pkg.format_version == FORMAT_VERSION
+        assert pkg.manifest == {**manifest, "format_version": list(FORMAT_VERSION)}
         assert [g["bucket"] for g in pkg.manifest["graphs"]] == [
             {"batch": b, "seq": q, "n": b * q * 16} for b in DYN_BATCH for q in DYN_SEQ]
         assert pkg.manifest["outputs"][0]["shape"] == ["batch", ["+", "seq", 1], 4]

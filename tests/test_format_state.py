@@ -13,7 +13,7 @@ import pytest
 from test_format import (_flip_bytes, _set, fuzz_manifest_tree, make_manifest, make_sections, packed,
                          read_only_format_errors)
 
-from grace.formats import (FormatError, ManifestError, decode_state, decode_weights, encode_state,
+from grace.formats import (FORMAT_VERSION, FormatError, ManifestError, decode_state, decode_weights, encode_state,
                            encode_weights, read_package, validate_manifest, write_package)
 
 CAPACITY = 8
@@ -145,8 +145,8 @@ def test_state_round_trip(tmp_path):
     path = tmp_path / "lm.grace"
     write_package(path, manifest, sections)
     with read_package(path) as pkg:
-        assert pkg.format_version == (3, 0)
-        assert pkg.manifest == {**manifest, "format_version": [3, 0]}
+        assert pkg.format_version == FORMAT_VERSION
+        assert pkg.manifest == {**manifest, "format_version": list(FORMAT_VERSION)}
         tensors = decode_state(pkg.section("state"))
         # only init "data" entries have bytes in the file: the zero-filled cache costs nothing
         assert list(tensors) == ["step"]

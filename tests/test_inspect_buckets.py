@@ -15,7 +15,7 @@ import json
 import pytest
 from rich.console import Console
 
-from grace.formats import read_package, write_package
+from grace.formats import FORMAT_VERSION, read_package, write_package
 from grace.tools.inspect import describe, render
 
 SEQ, BATCH = (128, 256, 512), (2, 4)
@@ -135,7 +135,7 @@ def desc(tmp_path) -> dict:
 
 
 def test_describe_symbols(desc):
-    assert desc["format_version"] == [3, 0]
+    assert desc["format_version"] == list(FORMAT_VERSION)
     assert desc["symbols"] == [
         {"name": "seq", "kind": "input", "min": 1, "max": 512,
          "sources": [{"input": 0, "name": "x", "dim": 1}], "buckets": [128, 256, 512]},

@@ -362,6 +362,9 @@ class FakeDriver:
         self.launches = []        # writer parameter values at each launch
         self.launched = []        # (exec handle, writer node index) per launch
         self.copies_htod = 0
+        self.registered = []      # (address, nbytes, flags) per cuMemHostRegister
+        self.unregistered = []
+        self.refuse_register = False
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -401,6 +404,17 @@ class FakeDriver:
 
     def cuMemFree(self, p):
         del self.memory[int(p)]
+        return (self.ok,)
+
+    def cuMemHostRegister(self, p, n, flags):
+        if self.refuse_register:
+            return (self._real.CUresult.CUDA_ERROR_NOT_SUPPORTED,)
+        self.registered.append((p, n, flags))
+        return (self.ok,)
+
+    def cuMemHostUnregister(self, p):
+        assert self.registered and self.registered[-1][0] == p
+        self.unregistered.append(p)
         return (self.ok,)
 
     def cuMemcpyHtoD(self, dst, src, n):
@@ -494,6 +508,41 @@ def test_load_uploads_weights_and_plans_the_graph(fake, pkg):
     assert pkg.arch == "sm_90" and [s.name for s in pkg.inputs] == ["x"]
     uploaded = np.ctypeslib.as_array((ctypes.c_float * (ROWS * COLS)).from_address(pkg.weights_ptr))
     np.testing.assert_array_equal(uploaded.reshape(ROWS, COLS), WEIGHT)
+
+
+def test_big_weights_are_copied_from_registered_pages(fake, tmp_path, monkeypatch):
+    """Above REGISTER_MIN_NBYTES the weights section's pages are registered read-only (page-aligned,
+    covering the section) for the copies and unregistered after (here the threshold is lowered so
+    the small package qualifies)."""
+    from grace.runtime import upload
+
+    monkeypatch.setattr(upload, "REGISTER_MIN_NBYTES", 1)
+    pkg = rt.load(write(tmp_path / "m.grace"))
+    assert pkg.load_stats["upload"] == "registered"
+    assert pkg.load_stats["weights_nbytes"] == WEIGHT.nbytes
+    ((base, nbytes, flags),) = fake.registered
+    assert base % 4096 == 0 and nbytes % 4096 == 0 and flags == 0x08
+    assert fake.unregistered == [base]
+    uploaded = np.ctypeslib.as_array((ctypes.c_float * (ROWS * COLS)).from_address(pkg.weights_ptr))
+    np.testing.assert_array_equal(uploaded.reshape(ROWS, COLS), WEIGHT)
+    pkg.close()
+
+
+def test_refused_registration_falls_back_to_pageable_copies(fake, tmp_path, monkeypatch):
+    from grace.runtime import upload
+
+    monkeypatch.setattr(upload, "REGISTER_MIN_NBYTES", 1)
+    fake.refuse_register = True
+    pkg = rt.load(write(tmp_path / "m.grace"))
+    assert pkg.load_stats["upload"] == "pageable" and fake.unregistered == []
+    uploaded = np.ctypeslib.as_array((ctypes.c_float * (ROWS * COLS)).from_address(pkg.weights_ptr))
+    np.testing.assert_array_equal(uploaded.reshape(ROWS, COLS), WEIGHT)
+    pkg.close()
+
+
+def test_small_weights_are_copied_without_registering(fake, pkg):
+    assert pkg.load_stats["upload"] == "pageable" and fake.registered == []
+    assert set(pkg.load_stats) >= {"read_s", "kernels_s", "weights_s", "total_s"}
 
 
 def test_session_builds_the_graph_from_the_manifest(fake, tmp_path):

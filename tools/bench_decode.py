@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -26,7 +27,8 @@ from pathlib import Path
 COPY_RATE = 4.3e12   # bytes/s, H200 device-to-device copy (design.md §4)
 SHAPES = {
     # gpt-fast's configs (Llama-3.2-1B, Llama-3-8B), cache 2048
-    "1b": dict(vocab=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden=8192),
+    "1b": dict(vocab=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden=8192,
+               tie_embeddings=True),
     "8b": dict(vocab=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden=14336),
     "tiny": dict(vocab=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, hidden=688),
 }
@@ -60,8 +62,10 @@ def _model(shape, max_seq):
 
 
 def bytes_per_token(model, pos: int) -> int:
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if "tok_embeddings" not in n)
+    # every weight is read once per token but the embedding table (one row); a tied table is read
+    # whole as the output projection
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()
+                  if p is not model.tok_embeddings.weight or p is model.output.weight)
     attn = model.layers[0].attention
     kv = 2 * len(model.layers) * attn.n_kv * attn.head_dim * (pos + 1) * 2
     return weights + kv
@@ -106,12 +110,18 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
                       buckets={"seq": [1, min(1024, max_seq)]},
                       generate={"tokens": "idx", "positions": "input_pos"})
     res["grace_compile_s"] = time.perf_counter() - t0
-    _log(f"compiled in {res['grace_compile_s']:.1f} s")
+    # the weights are streamed into the file: the peak stays near one copy of the model
+    res["peak_rss_gb_after_compile"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    res["package_gb"] = path.stat().st_size / 1e9
+    _log(f"compiled in {res['grace_compile_s']:.1f} s, {res['package_gb']:.2f} GB, "
+         f"peak RSS {res['peak_rss_gb_after_compile']:.1f} GiB")
     t0 = time.perf_counter()
     pkg = load(path, instantiate="eager")
     sess = pkg.session()
     sess.sync()
     res["grace_load_s"] = time.perf_counter() - t0
+    res["grace_load"] = dict(pkg.load_stats)
+    _log(f"loaded in {res['grace_load_s']:.2f} s: {pkg.load_stats}")
 
     model = model.cuda()
     sync = torch.cuda.synchronize

@@ -32,11 +32,13 @@ The causal mask is built here from `cache_position` and passed as a 4-D mask, wh
 returns unchanged (masking_utils.py, `_preprocess_mask_arguments`) — none of its mask machinery
 (vmap, compile-decorated helpers, `is_causal` skips that depend on the cache length) is traced.
 
-Batch size 1 only: grace's generate mode drives one sequence per session.
+Batch size 1 only: grace's generate mode drives one sequence per session. Checked with
+transformers 5.24 (the cache goes in as `cache=`) and 4.57 (`past_key_values=`, `cache_position=`).
 """
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -81,6 +83,9 @@ def _cache_classes():
         def get_max_length(self) -> int:
             return self.max_cache_len
 
+        def get_max_cache_shape(self) -> int:   # abstract in transformers 4.5x
+            return self.max_cache_len
+
     class BufferCache(Cache):
         def __init__(self, owner: "StaticCacheLM", cache_position: torch.Tensor):
             super().__init__(layers=[BufferCacheLayer(owner, i, cache_position)
@@ -112,6 +117,11 @@ class StaticCacheLM(nn.Module):
             raise ValueError(f"max_cache_len {max_cache_len} exceeds the model's "
                              f"max_position_embeddings {max_pos}")
         self.model = hf_model.eval()
+        # transformers 5 takes the cache as `cache` and derives positions from position_ids;
+        # 4.5x takes `past_key_values` and `cache_position`
+        params = inspect.signature(hf_model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._takes_cache_position = "cache_position" in params
         self.max_cache_len = int(max_cache_len)
         self.num_layers = config.num_hidden_layers
         self.attn_implementation = impl
@@ -149,8 +159,11 @@ class StaticCacheLM(nn.Module):
                              f"got {list(input_ids.shape)}")
         cache = _cache_classes()(self, cache_position)
         mask = self.causal_mask(cache_position, self.k_cache_0.dtype)
+        kwargs = {self._cache_kwarg: cache}
+        if self._takes_cache_position:
+            kwargs["cache_position"] = cache_position
         out = self.model(input_ids=input_ids, attention_mask=mask,
-                         position_ids=cache_position[None], cache=cache, use_cache=True)
+                         position_ids=cache_position[None], use_cache=True, **kwargs)
         return out.logits
 
 

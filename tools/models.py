@@ -190,10 +190,11 @@ class CachedBlock(nn.Module):
 class CachedLlama(nn.Module):
     """A gpt-fast-style decoder LM: forward(idx [B, T], input_pos [T]) -> logits [B, T, vocab].
     The KV caches are registered buffers, written in place at `input_pos` (a device tensor), so one
-    exported program serves prefill (T = prompt length) and decode (T = 1)."""
+    exported program serves prefill (T = prompt length) and decode (T = 1). `tie_embeddings`: the
+    output projection is the embedding table (Llama-3.2-1B's tie_word_embeddings)."""
 
     def __init__(self, vocab=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=172,
-                 max_seq=128, rope_base=10000.0):
+                 max_seq=128, rope_base=10000.0, tie_embeddings=False):
         super().__init__()
         self.max_seq = max_seq
         self.tok_embeddings = nn.Embedding(vocab, dim)
@@ -201,6 +202,8 @@ class CachedLlama(nn.Module):
             [CachedBlock(dim, n_heads, n_kv_heads, hidden, max_seq) for _ in range(n_layers)])
         self.norm = RMSNorm(dim)
         self.output = nn.Linear(dim, vocab, bias=False)
+        if tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
         head_dim = dim // n_heads
         inv = 1.0 / (rope_base ** (torch.arange(0, head_dim, 2).float() / head_dim))
         freqs = torch.outer(torch.arange(max_seq).float(), inv)
