@@ -302,3 +302,36 @@ def test_stdlib_helpers_work_after_a_compiler_import():
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-5)
     assert isinstance(tl.zeros, JITFunction) and isinstance(tl.standard.sum, JITFunction)
     assert isinstance(tl.core.tensor.sum, JITFunction)
+
+
+_COMPILE_AFTER_INTERPRET = """
+import sys, torch
+from grace.aot import compile as grace_compile
+from grace.tools.interpret import run_package
+torch.manual_seed(0)
+first = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+path = grace_compile(first, (torch.randn(2, 16),), output=sys.argv[1] + "/a.grace", progress=False)
+x = torch.randn(2, 16)
+out = next(iter(run_package(path, {"input": x.numpy()}).values()))
+assert abs(out - first(x).detach().numpy()).max() < 1e-4
+second = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 8)).eval()
+grace_compile(second, (torch.randn(3, 24),), output=sys.argv[1] + "/b.grace", progress=False,
+              jobs=int(sys.argv[2]))
+print("compiled after interpreting")
+"""
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_compiling_after_interpreting_in_the_same_process(tmp_path, jobs):
+    """Triton's interpreter leaves triton.language patched after interpreted device-function calls;
+    _interpret_mode puts it back, or a later (uncached) compile in the same process fails (jobs=1),
+    and so does one in build workers forked from it (jobs=2). A process of its own, with empty
+    grace and Triton caches, so that every kernel is really compiled."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GRACE_CACHE_DIR": str(tmp_path / "cubins"),
+           "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    r = subprocess.run([sys.executable, "-c", _COMPILE_AFTER_INTERPRET, str(tmp_path), str(jobs)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "compiled after interpreting" in r.stdout, r.stderr[-3000:]

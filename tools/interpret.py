@@ -127,6 +127,13 @@ def _member(fn):
     return method
 
 
+_MISSING = object()
+
+
+def _griddepcontrol_noop(*args, **kwargs):
+    return None
+
+
 @contextlib.contextmanager
 def _interpret_mode():
     """Triton's interpreter in effect for this block, then everything restored.
@@ -148,6 +155,23 @@ def _interpret_mode():
     from triton import knobs
     from triton.runtime.jit import JITFunction
 
+    # triton.language.extra loads its backends as module objects of its own, distinct from the
+    # sys.modules entries that `from ... import` reads: patch both. Imported here, before the
+    # interpreter is switched on: imported under it, the module leaves triton in a state in which
+    # later compiles in forked build workers fail (seen as "'block_argument' object has no
+    # attribute 'get_element_ty'" from a test that interpreted in-process, then compiled).
+    import triton.language.extra.cuda  # noqa: F401  (the sys.modules entry)
+    from triton.language import extra
+    gdc_modules = list({id(m): m for m in (extra.cuda, sys.modules["triton.language.extra.cuda"])}.values())
+
+    # Triton 3.6's interpreter patches triton.language for every call of an interpreted device
+    # function (InterpretedFunction.__call__ -> _patch_lang) and never restores those patches: a
+    # later compile in this process (or in build workers forked from it) then fails inside
+    # triton.language ("'ir.value' object has no attribute 'data'"). Everything _patch_lang can
+    # touch is snapshotted here and put back on exit.
+    touched = [tl, tl.core, tl.math, tl.core.tensor, tl.core.tensor_descriptor_base]
+    snapshots = [(obj, dict(vars(obj))) for obj in touched]
+
     patches: list[tuple[Any, str, Any]] = []
     with knobs.runtime.scope():
         knobs.runtime.interpret = True  # sets the override and os.environ["TRITON_INTERPRET"]
@@ -164,10 +188,22 @@ def _interpret_mode():
                 if isinstance(value, JITFunction):
                     patches.append((tl.core.tensor, attr, value))
                     setattr(tl.core.tensor, attr, _member(_as_interpreted(value)))
+            # griddepcontrol (PDL) is inline PTX, which the interpreter cannot run; one kernel at a
+            # time on the CPU, every wait is already satisfied, so they do nothing here
+            for mod in gdc_modules:
+                for attr in ("gdc_wait", "gdc_launch_dependents"):
+                    patches.append((mod, attr, getattr(mod, attr)))
+                    setattr(mod, attr, _griddepcontrol_noop)
             yield
         finally:
             for obj, attr, value in reversed(patches):
                 setattr(obj, attr, value)
+            for obj, saved in snapshots:
+                for attr in set(vars(obj)) - set(saved):
+                    delattr(obj, attr)
+                for attr, value in saved.items():
+                    if vars(obj).get(attr, _MISSING) is not value:
+                        setattr(obj, attr, value)
 
 
 def _load_kernel_module(source: str, sha: str):
