@@ -8,13 +8,19 @@ from the source's hash for the same reason.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
-from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, Writer, and_mask, factor_terms
-from .ir import EXTENTS, Index, Kernel, contiguous_strides, numel
+from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, NotBeforeWait, Writer, and_mask, factor_terms
+from .ir import EXTENTS, Index, Kernel, contiguous_strides, loads, numel
 from .shapes import is_prefix, true_size
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+# Programmatic dependent launch (docs/design-pdl.md): a kernel lets the next one launch at once,
+# runs the weight loads that need nothing from earlier nodes, then waits for them to finish.
+PDL_HEADER = ("import triton\nimport triton.language as tl\n"
+              "from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait\n\n\n"
+              "@triton.jit\n")
 
 
 @dataclass
@@ -27,6 +33,13 @@ class KernelSource:
     grid: tuple[int, int, int]
     num_warps: int
     num_stages: int
+    writes: list = field(default_factory=list)   # indices of the parameters it stores through
+
+
+def stored_params(text: str) -> list[int]:
+    """The parameters a generated kernel stores through: every store starts `tl.store(p<i> ...`
+    (the Writer names parameter i's pointer p<i>), which is what the race checker needs to know."""
+    return sorted({int(i) for i in re.findall(r"tl\.store\(p(\d+)\b", text)})
 
 
 def next_pow2(n: int) -> int:
@@ -37,20 +50,33 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def generate(kernel: Kernel, symbols: dict | None = None) -> KernelSource:
-    """`symbols`: size symbol -> word of the extents table (dynamic programs)."""
+def generate(kernel: Kernel, symbols: dict | None = None, pdl: bool = False) -> KernelSource:
+    """`symbols`: size symbol -> word of the extents table (dynamic programs). `pdl`: the kernel
+    may be the target of programmatic edges: it calls gdc_launch_dependents() first, then what
+    its template can run before the wait (weight loads), then gdc_wait(), before it reads or writes
+    anything another node touches; every program passes the wait, early exits come after it."""
+    try:
+        return _generate(kernel, symbols, pdl, prefetch=pdl)
+    except NotBeforeWait:   # the template's pre-wait stretch needs the table: no prefetch
+        return _generate(kernel, symbols, pdl, prefetch=False)
+
+
+def _generate(kernel: Kernel, symbols, pdl: bool, prefetch: bool) -> KernelSource:
     template = TEMPLATES[kernel.family]
-    w = Writer(symbols)
+    w = Writer(symbols, prefetch=prefetch)
     grid, num_warps, num_stages = template(kernel, w)
     names = w.param_names()
     lines = [f"def KERNEL({', '.join(names)}):"]
+    if pdl:
+        lines += ["    gdc_launch_dependents()"] + w.pre_wait + ["    gdc_wait()"]
     lines += ["    " + ln for ln in w.prologue]
     lines += w.lines
-    text = HEADER + "\n".join(lines) + "\n"
+    text = (PDL_HEADER if pdl else HEADER) + "\n".join(lines) + "\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"{kernel.family}_{digest}"
     return KernelSource(name, kernel.family, text.replace("def KERNEL(", f"def {name}("),
-                        w.param_types(), list(w.params), grid, num_warps, num_stages)
+                        w.param_types(), list(w.params), grid, num_warps, num_stages,
+                        stored_params(text))
 
 
 def _store(w: Writer, kernel: Kernel, value: str, ctx: Ctx, shape_expr: str):
@@ -308,53 +334,88 @@ def matmul(kernel: Kernel, w: Writer):
     prec = ""
     if dot_t == "float32":
         prec = f", input_precision=\"{inp['fp32_precision']}\""
-    w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
-    w.emit(f"rn = tl.program_id(1) * {bn} + tl.arange(0, {bn})")
-    if split > 1:
-        # split-K: program z handles batch z // split and the K range (z % split) * chunk
-        chunk = cdiv(cdiv(k, split), bk) * bk
-        w.emit(f"bz = tl.program_id(2) // {split}")
-        w.emit(f"k_lo = (tl.program_id(2) % {split}) * {chunk}")
-    else:
-        w.emit("bz = tl.program_id(2)")
-        w.emit("k_lo = 0")
-        chunk = k
     ext = kernel.ext or (None, None, None)
     k_ext = inp.get("k_ext")
-    _exit_beyond(w, ext[1], f"tl.program_id(0) * {bm}")
-    _exit_beyond(w, ext[0], "bz")
-    w.emit(f"zero_a = tl.zeros([{bm}, {bk}], tl.int32)")
-    w.emit(f"zero_b = tl.zeros([{bk}, {bn}], tl.int32)")
-    w.emit(f"acc = tl.zeros([{bm}, {bn}], tl.float32)")
+    skip_k = k_ext is not None and is_prefix(k_ext)
+    even_k = k % (bk * split) == 0 and k_ext is None
+    chunk = cdiv(cdiv(k, split), bk) * bk if split > 1 else k
+    tl_dot = TL_TYPE[dot_t]
+    # With PDL the first K step's weight tiles are loaded before gdc_wait(), while the kernels
+    # before this one finish (the weight operand of a linear layer: docs/design-pdl.md).
+    early = [op for op in ("a", "b") if w.prefetch and not skip_k and _weights_only(inp[op])]
+
+    def ids():
+        w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
+        w.emit(f"rn = tl.program_id(1) * {bn} + tl.arange(0, {bn})")
+        if split > 1:
+            # split-K: program z handles batch z // split and the K range (z % split) * chunk
+            w.emit(f"bz = tl.program_id(2) // {split}")
+            w.emit(f"k_lo = (tl.program_id(2) % {split}) * {chunk}")
+        else:
+            w.emit("bz = tl.program_id(2)")
+            w.emit("k_lo = 0")
+
     # Masks only where a tile can overrun or padding begins: a mask Triton cannot prove constant
     # along the contiguous axis turns 16-byte vector loads into scalar ones.
-    m_term = _and_terms(None if m % bm == 0 else f"(rm[:, None] < {m})",
-                        _dim_valid(w, ext[1], "rm[:, None]"), _dim_valid(w, ext[0], "bz"))
-    n_term = _and_terms(None if n % bn == 0 else f"(rn[None, :] < {n})",
-                        _dim_valid(w, ext[2], "rn[None, :]"))
-    w.emit(f"for kk in range(0, {chunk}, {bk}):")   # static bounds: the interpreter needs them
-    w.indent += 1
-    skip_k = k_ext is not None and is_prefix(k_ext)
+    def m_term():
+        return _and_terms(None if m % bm == 0 else f"(rm[:, None] < {m})",
+                          _dim_valid(w, ext[1], "rm[:, None]"), _dim_valid(w, ext[0], "bz"))
+
+    def n_term():
+        return _and_terms(None if n % bn == 0 else f"(rn[None, :] < {n})",
+                          _dim_valid(w, ext[2], "rn[None, :]"))
+
+    def operand(op: str, kk: str) -> str:
+        """Emit the `op` tile of the K step at `kk` (rk already set); return its variable."""
+        if op == "a":
+            mask = _mask(w, "mask_a", m_term(), None if even_k else _and_terms(
+                f"(rk[None, :] < {k})", _dim_valid(w, k_ext, "rk[None, :]")))
+            ctx = Ctx(w, (batch, m, k), ["bz", "rm[:, None]", "rk[None, :]"], mask=mask,
+                      zero="zero_a")
+        else:
+            mask = _mask(w, "mask_b", None if even_k else _and_terms(
+                f"(rk[:, None] < {k})", _dim_valid(w, k_ext, "rk[:, None]")), n_term())
+            ctx = Ctx(w, (batch, k, n), ["bz", "rk[:, None]", "rn[None, :]"], mask=mask,
+                      zero="zero_b")
+        value = ExprEmitter(w).value(inp[op], ctx)
+        var = f"{op}{'_early' if kk == 'early' else ''}"
+        w.emit(f"{var} = {_masked(value, mask)}.to({tl_dot})")
+        return var
+
+    def k_step(kk: str, ready: dict):
+        w.emit(f"rk = k_lo + {kk} + tl.arange(0, {bk})")
+        a = ready.get("a") or operand("a", kk)
+        b = ready.get("b") or operand("b", kk)
+        w.emit(f"acc = tl.dot({a}, {b}, acc{prec})")
+
+    def zeros():
+        w.emit(f"zero_a = tl.zeros([{bm}, {bk}], tl.int32)")
+        w.emit(f"zero_b = tl.zeros([{bk}, {bn}], tl.int32)")
+
+    ready = {}
+    if early:
+        with w.before_wait():
+            ids()
+            zeros()
+            w.emit(f"rk = k_lo + tl.arange(0, {bk})")
+            ready = {op: operand(op, "early") for op in early}
+    else:
+        ids()
+    _exit_beyond(w, ext[1], f"tl.program_id(0) * {bm}")
+    _exit_beyond(w, ext[0], "bz")
+    if not early:
+        zeros()
+    w.emit(f"acc = tl.zeros([{bm}, {bn}], tl.float32)")
+    if early:   # the first K step, its weight tile in hand; the loop does the rest
+        k_step("0", ready)
+    w.emit(f"for kk in range({bk if early else 0}, {chunk}, {bk}):")   # static bounds: the
+    w.indent += 1                                                     # interpreter needs them
     if skip_k:   # K blocks past the true K are all padding
         w.emit(f"if k_lo + kk < {w.extent(true_size(k_ext, 0))}:")
         w.indent += 1
-    w.emit(f"rk = k_lo + kk + tl.arange(0, {bk})")
-    even_k = k % (bk * split) == 0 and chunk % bk == 0 and k_ext is None
-    mask_a = _mask(w, "mask_a", m_term, None if even_k else
-                   _and_terms(f"(rk[None, :] < {k})", _dim_valid(w, k_ext, "rk[None, :]")))
-    mask_b = _mask(w, "mask_b", None if even_k else
-                   _and_terms(f"(rk[:, None] < {k})", _dim_valid(w, k_ext, "rk[:, None]")), n_term)
-    actx = Ctx(w, (batch, m, k), ["bz", "rm[:, None]", "rk[None, :]"], mask=mask_a,
-               zero="zero_a")
-    bctx = Ctx(w, (batch, k, n), ["bz", "rk[:, None]", "rn[None, :]"], mask=mask_b,
-               zero="zero_b")
-    a = ExprEmitter(w).value(inp["a"], actx)
-    b = ExprEmitter(w).value(inp["b"], bctx)
-    tl_dot = TL_TYPE[dot_t]
-    w.emit(f"a = {_masked(a, mask_a)}.to({tl_dot})")
-    w.emit(f"b = {_masked(b, mask_b)}.to({tl_dot})")
-    w.emit(f"acc = tl.dot(a, b, acc{prec})")
+    k_step("kk", {})
     w.indent -= 2 if skip_k else 1
+    m_term, n_term = m_term(), n_term()
     mask = _mask(w, "mask", m_term, n_term)
     w.emit(f"zero = tl.zeros([{bm}, {bn}], tl.int32)")
     if split > 1:
@@ -370,6 +431,13 @@ def matmul(kernel: Kernel, w: Writer):
 SM_COUNT = 132  # H100/H200; a grid smaller than this leaves multiprocessors idle
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
+
+
+def _weights_only(expr) -> bool:
+    """An operand computed from weights alone (a linear layer's W or W^T), so loading it needs
+    nothing another node writes."""
+    found = loads(expr)
+    return bool(found) and all(ld.buf.kind == "weight" for ld in found)
 
 
 def _mask(w: Writer, name: str, *terms) -> str:
@@ -597,7 +665,7 @@ def table_writer_source(slots: list[dict], extents: dict | None = None) -> Kerne
     lines += [f"    tl.store(table + {pos}, w{i})" for i, pos in enumerate(positions)] or ["    pass"]
     text = HEADER + "\n".join(lines) + "\n"
     return KernelSource("table_writer", "table_writer", text, ["*i64"] + ["i64"] * words, [],
-                        (1, 1, 1), 1, 1)
+                        (1, 1, 1), 1, 1, [0])
 
 
 
@@ -643,4 +711,5 @@ def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
     name = f"generate_step_{digest}"
     buffers = [logits, positions, ctrl, out_tokens, next_token, next_position]
     return KernelSource(name, "generate_step", text.replace("def generate_step(", f"def {name}("),
-                        ["*i64", "*i64", "*i64", "*i64", "*i64", "*i64"], buffers, (1, 1, 1), 4, 1)
+                        ["*i64", "*i64", "*i64", "*i64", "*i64", "*i64"], buffers, (1, 1, 1), 4, 1,
+                        [2, 3, 4, 5])

@@ -8,6 +8,7 @@ directly, so the common case compiles to `tl.load(p + offs)`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import sympy
@@ -27,13 +28,26 @@ PTR_TYPE = {
 }
 
 
+class NotBeforeWait(Exception):
+    """Code meant to run before the kernel's gdc_wait() touched something other than weights."""
+
+
 class Writer:
     """Lines of one kernel body plus its pointer parameters (one per distinct buffer).
 
     `symbols` maps each size symbol to its word in the extents table; sizes the kernel needs at
-    run time are loaded once, in the prologue."""
+    run time are loaded once, in the prologue.
 
-    def __init__(self, symbols: dict | None = None):
+    With programmatic dependent launch (docs/design-pdl.md) a kernel may run while the nodes before
+    it still do, until its gdc_wait(): `prefetch` tells a template it may emit code for that
+    stretch, inside `with w.before_wait():`. There only index math and loads of weights are allowed;
+    anything else (an I/O pointer or size from the table, the arena, state, extents) raises
+    NotBeforeWait, and the kernel is generated again without the stretch."""
+
+    def __init__(self, symbols: dict | None = None, prefetch: bool = False):
+        self.prefetch = prefetch
+        self.pre_wait: list[str] = []
+        self._before_wait = False
         self.lines: list[str] = []
         self.indent = 1
         self.params: list = []          # Buffers, in parameter order
@@ -48,10 +62,21 @@ class Writer:
         return f"{prefix}{self._n}"
 
     def emit(self, line: str):
-        self.lines.append("    " * self.indent + line)
+        (self.pre_wait if self._before_wait else self.lines).append("    " * self.indent + line)
+
+    @contextlib.contextmanager
+    def before_wait(self):
+        assert self.prefetch and not self._before_wait
+        self._before_wait = True
+        try:
+            yield
+        finally:
+            self._before_wait = False
 
     def ptr(self, buf) -> str:
         """The typed pointer variable of a buffer; I/O buffers are read from their table slot."""
+        if self._before_wait and buf.kind != "weight":
+            raise NotBeforeWait(f"{buf.kind} buffer {buf.name} before gdc_wait()")
         key = id(buf)
         if key not in self._ptr:
             name = f"p{len(self.params)}"
@@ -73,6 +98,8 @@ class Writer:
 
     # -- run-time sizes -------------------------------------------------------------------------
     def _prologue_value(self, key, code: str, prefix: str) -> str:
+        if self._before_wait:   # prologue values come from the table
+            raise NotBeforeWait(f"{code} before gdc_wait()")
         if key not in self._sizes:
             name = f"{prefix}{len(self._sizes)}"
             self.prologue.append(f"{name} = {code}")

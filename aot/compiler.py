@@ -14,6 +14,7 @@ import torch
 from . import build, codegen, export, fuse, generation, lower, memplan, package, shapes
 
 ARCH_RE = re.compile(r"^sm_(\d{2,3})$")
+PDL_MIN_ARCH = 90
 # Triton input_precision values for fp32 dots (GEMMs and attention), most accurate last. (Triton
 # 3.6 also has bf16x3/bf16x6, but its interpreter rejects them, so --interpret could not run them.)
 FP32_MATMUL_CHOICES = ("tf32", "tf32x3", "ieee")
@@ -34,6 +35,9 @@ class CompileOptions:
     # a causal LM for generate(): (("tokens", NAME), ("positions", NAME), ("logits", NAME)?,
     # ("capacity", N)?) — docs/design-state.md
     generate: tuple = ()
+    # programmatic dependent launch (docs/design-pdl.md). Off by default: as built today it made
+    # the Llama-1B decode token 10% slower on the H200 (docs/performance.md). Needs sm_90+.
+    pdl: bool = False
 
     def __post_init__(self):
         if not self.archs:
@@ -53,6 +57,11 @@ class CompileOptions:
         if spec and not {"tokens", "positions"} <= set(spec):
             raise ValueError("generate needs tokens=NAME and positions=NAME (the export's input "
                              "names)")
+        # griddepcontrol does not exist before sm_90 (ptxas rejects it)
+        without = [a for a in self.archs if int(ARCH_RE.match(a).group(1)) < PDL_MIN_ARCH]
+        if self.pdl and without:
+            raise ValueError(f"pdl needs sm_90 or newer, but the archs include {', '.join(without)}; "
+                             "compile those separately or pass pdl=False (--no-pdl)")
 
     def recorded(self) -> dict:
         d = asdict(self)
@@ -74,7 +83,7 @@ class CompileReport:
 
 def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None,  # noqa: A001
             progress=True, fp32_matmul=None, jobs=None, dynamic_shapes=None,
-            buckets=None, generate=None) -> Path:
+            buckets=None, generate=None, pdl=False) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
     `dynamic_shapes` goes to torch.export (`{"input_ids": {1: Dim("seq", min=1, max=512)}}`);
@@ -82,11 +91,13 @@ def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None
     program exported elsewhere). `buckets` overrides the default bucket bounds per symbol:
     `{"seq": [64, 128, 512]}`. `generate={"tokens": "idx", "positions": "input_pos"}` marks a
     causal LM for `Session.generate` (optional "logits": an output name, default the first;
-    "capacity": cache positions, default the size of the state dimension `positions` indexes)."""
+    "capacity": cache positions, default the size of the state dimension `positions` indexes).
+    `pdl=True`: programmatic edges between kernels (docs/design-pdl.md; sm_90+ only). Off by
+    default: measured slower on the H200 so far (docs/performance.md)."""
     options = CompileOptions(tuple(archs), fp32_matmul or lower.DEFAULT_OPTIONS["fp32_matmul"],
                              jobs, progress,
                              tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()),
-                             tuple((generate or {}).items()))
+                             tuple((generate or {}).items()), bool(pdl))
     dim_names = None
     if isinstance(program, torch.nn.Module):
         if example_inputs is None:
@@ -135,7 +146,7 @@ def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict) -> pack
     sources = []
     for k in kernels:
         try:
-            sources.append(codegen.generate(k, sym_index))
+            sources.append(codegen.generate(k, sym_index, pdl=options.pdl))
         except ValueError as exc:   # a size expression a kernel cannot evaluate
             raise lower.LoweringError(f"{exc} — in the kernel for node '{k.label}'") from exc
     readers = [any(b.kind == "extents" for b in src.buffers) for src in sources]

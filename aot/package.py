@@ -95,14 +95,14 @@ def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: di
         entries.append({
             "name": src.name, "family": src.family, "params": params,
             "num_warps": src.num_warps, "num_stages": src.num_stages, "shared": shared,
-            "hidden_params": 2, "global_scratch_size": gscratch,
+            "hidden_params": 2, "writes": list(src.writes), "global_scratch_size": gscratch,
             "profile_scratch_size": pscratch, "source_sha256": sha,
             "binaries": entry_bins, "source": f"src/{src.name}.py"})
     return entries, unique
 
 
 def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, extents,
-                 table_nbytes: int) -> dict:
+                 table_nbytes: int, pdl: bool = False) -> dict:
     words = sum(1 + 2 * s["rank"] for s in slots) + extents["count"]
     nodes = [{"kernel": unique[writer.name], "grid": [1, 1, 1],
               "args": [{"region": "table", "offset": 0, "nbytes": table_nbytes, "dtype": "int64"}]
@@ -113,9 +113,13 @@ def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, exten
         node_deps = [i + 1 for i in g.deps[j]]
         if reads_table:
             node_deps = [0] + node_deps
-        nodes.append({"kernel": unique[src.name], "grid": list(src.grid),
-                      "args": [_arg(b, g.plan, slots, extents) for b in src.buffers],
-                      "deps": node_deps, "label": kernel.label})
+        node = {"kernel": unique[src.name], "grid": list(src.grid),
+                "args": [_arg(b, g.plan, slots, extents) for b in src.buffers],
+                "deps": node_deps, "label": kernel.label}
+        programmatic = [d for d in node_deps if d != 0] if pdl else []
+        if programmatic:   # kernel -> kernel edges; the table writer's (node 0) stay full (SPEC §5)
+            node["programmatic"] = programmatic
+        nodes.append(node)
     families: dict[str, int] = {}
     for src in g.sources:
         families[src.family] = families.get(src.family, 0) + 1
@@ -200,7 +204,8 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
                            "first": p.first + 1, "last": p.last + 1}
                           for p in sorted(plan.arena.values(), key=lambda p: p.first)],
         "kernels": kernel_entries,
-        "graphs": [_graph_entry(g, writer, unique, slots, extents, table_nbytes)
+        "graphs": [_graph_entry(g, writer, unique, slots, extents, table_nbytes,
+                                bool(options.get("pdl")))
                    for g in graphs],
     }
     if step is not None:

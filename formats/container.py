@@ -41,7 +41,9 @@ MAGIC = b"GRACE\0PK"
 # 2.x reader would mis-launch: it neither allocates nor initialises the state those arguments need.
 # 3.1: chunk-hash companions `sha256/<section>` for sections over HASH_CHUNK_NBYTES, so a reader
 # verifies a 16 GB weights section on all cores (a 3.0 reader ignores them and hashes it whole).
-FORMAT_VERSION = (3, 1)
+# 3.2: graph nodes may list `programmatic` deps (programmatic dependent launch); a 3.1 reader
+# ignores the key and builds full edges, which order strictly more.
+FORMAT_VERSION = (3, 2)
 ALIGN = 4096  # section data starts on a page boundary so the weights blob can be mmapped in place
 
 _HEADER = struct.Struct("<8sHHIQQQQQII32s32s")

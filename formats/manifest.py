@@ -463,6 +463,14 @@ def _kernels(m: dict, archs: list, section_names) -> list:
         for key in ("hidden_params", "global_scratch_size", "profile_scratch_size"):
             if key in k:
                 _int(k[key], f"{p}.{key}", lo=0)
+        if "writes" in k:   # 3.2: the pointer parameters the kernel stores through (race checks)
+            writes = _list(k["writes"], f"{p}.writes")
+            for j, w in enumerate(writes):
+                _int(w, f"{p}.writes[{j}]", lo=0, hi=len(params) - 1)
+                if not params[w]["type"].startswith("*"):
+                    _fail(f"{p}.writes[{j}]", f"parameter {w} is not a pointer")
+            if len(set(writes)) != len(writes):
+                _fail(f"{p}.writes", "duplicate entries")
         if "source_sha256" in k:
             _str(k["source_sha256"], f"{p}.source_sha256")
         binaries = _dict(_get(k, "binaries", p), f"{p}.binaries")
@@ -608,6 +616,16 @@ def _node(node, p: str, index: int, kernels: list, regions: dict, words: int) ->
             _fail(f"{p}.deps[{d_i}]", f"dependency {d} is not an earlier node (this is node {index})")
     if len(set(deps)) != len(deps):
         _fail(f"{p}.deps", "duplicate dependencies")
+    if "programmatic" in node:   # 3.2: the deps whose edges may be programmatic (SPEC §5.3)
+        prog = _list(node["programmatic"], f"{p}.programmatic")
+        for d_i, d in enumerate(prog):
+            _int(d, f"{p}.programmatic[{d_i}]")
+            if d not in deps:
+                _fail(f"{p}.programmatic[{d_i}]", f"node {d} is not one of the deps {deps}")
+            if d == 0:
+                _fail(f"{p}.programmatic[{d_i}]", "the table writer (node 0) keeps a full edge")
+        if len(set(prog)) != len(prog):
+            _fail(f"{p}.programmatic", "duplicate entries")
     if "label" in node:
         _str(node["label"], f"{p}.label")
     args = _list(_get(node, "args", p), f"{p}.args")

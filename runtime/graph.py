@@ -43,9 +43,10 @@ _U64 = (1 << 64) - 1
 class NodePlan:
     """One kernel node, checked: which kernel, launch shape, and where each parameter comes from."""
 
-    __slots__ = ("index", "where", "kernel", "grid", "block", "shared", "args", "deps")
+    __slots__ = ("index", "where", "kernel", "grid", "block", "shared", "args", "deps",
+                 "programmatic")
 
-    def __init__(self, index, where, kernel, grid, block, shared, args, deps):
+    def __init__(self, index, where, kernel, grid, block, shared, args, deps, programmatic=()):
         self.index = index      # position in the graph
         self.where = where      # "graph 'main' node 3 (addmm+relu)", for messages
         self.kernel = kernel    # index into manifest["kernels"]
@@ -54,6 +55,7 @@ class NodePlan:
         self.shared = shared    # dynamic shared memory in bytes
         self.args = args        # per parameter: ("region", name, offset) | ("word", i) | ("zero",)
         self.deps = deps        # indices of earlier nodes
+        self.programmatic = programmatic   # the deps whose edges may be programmatic (SPEC §5.3)
 
 
 def table_word_count(manifest) -> int:
@@ -123,10 +125,15 @@ def plan_node(manifest, node, index: int, where: str, regions: dict, n_words: in
     for d in deps:
         if not 0 <= d < index:
             raise InvalidPackageError(f"{where}: depends on node {d}, which does not come before it")
+    programmatic = tuple(node.get("programmatic", ()))
+    if not set(programmatic) <= set(deps) - {0}:
+        raise InvalidPackageError(f"{where}: programmatic deps {list(programmatic)} must be deps "
+                                  f"other than the table writer (deps {list(deps)})")
     grid = tuple(node["grid"])
     if len(grid) != 3 or not all(isinstance(g, int) and g >= 1 for g in grid):
         raise InvalidPackageError(f"{where}: grid {list(grid)} must be three positive ints")
-    return NodePlan(index, where, k, grid, 32 * kernel["num_warps"], kernel["shared"], tuple(plan_args), deps)
+    return NodePlan(index, where, k, grid, 32 * kernel["num_warps"], kernel["shared"], tuple(plan_args), deps,
+                    programmatic)
 
 
 def _plan_arg(where, param, arg, regions, n_words):
@@ -194,9 +201,12 @@ class ParamBlock:
         self.address = ctypes.addressof(self.pointers)  # what kernelParams receives
 
 
-def add_kernel_node(graph, function, grid, block, shared, values, deps, where):
+def add_kernel_node(graph, function, grid, block, shared, values, deps, where, programmatic=()):
     """cuGraphAddKernelNode for one kernel launch with parameter `values` after `deps` (graph
-    nodes). Returns (node, ParamBlock, CUDA_KERNEL_NODE_PARAMS); keep both for the graph's life."""
+    nodes) by full edges and after `programmatic` (graph nodes) by programmatic edges: this
+    kernel may launch once every block of those has called gdc_launch_dependents(), and its
+    gdc_wait() waits for them to finish. Returns (node, ParamBlock, CUDA_KERNEL_NODE_PARAMS);
+    keep both for the graph's life."""
     cu = driver.cuda()
     block_cells = ParamBlock(values)
     p = cu.CUDA_KERNEL_NODE_PARAMS()
@@ -206,14 +216,33 @@ def add_kernel_node(graph, function, grid, block, shared, values, deps, where):
     p.sharedMemBytes = shared
     p.kernelParams = block_cells.address
     node = check(cu.cuGraphAddKernelNode(graph, deps, len(deps), p), f"cuGraphAddKernelNode for {where}")
+    if programmatic:
+        edges = []
+        for _ in programmatic:
+            edge = cu.CUgraphEdgeData()
+            edge.type = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+            edge.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+            edges.append(edge)
+        check(cu.cuGraphAddDependencies(graph, list(programmatic), [node] * len(programmatic), edges,
+                                        len(programmatic)),
+              f"cuGraphAddDependencies (programmatic) for {where}")
     return node, block_cells, p
+
+
+def split_edges(plan: NodePlan, nodes: list, pdl: bool, offset: int = 0):
+    """(full, programmatic) graph nodes `plan` depends on; with pdl off every edge is full. `offset`
+    maps a dep index to `nodes` (the WHILE body has no table writer: offset -1)."""
+    prog = set(plan.programmatic) if pdl else set()
+    deps = [d for d in plan.deps if d + offset >= 0]
+    return ([nodes[d + offset] for d in deps if d not in prog],
+            [nodes[d + offset] for d in deps if d in prog])
 
 
 class ExecutableGraph:
     """An instantiated graph: `launch(words, stream)` puts the table words into the nodes that take
     them and launches."""
 
-    def __init__(self, plans, functions, bases: dict, words):
+    def __init__(self, plans, functions, bases: dict, words, pdl: bool = True):
         cu = driver.cuda()
         self._cu = cu
         self.graph = call(cu.cuGraphCreate, 0)
@@ -225,8 +254,9 @@ class ExecutableGraph:
             nodes = []
             for plan in plans:
                 values, word_positions = param_values(plan, bases, words)
+                full, prog = split_edges(plan, nodes, pdl)
                 node, block, p = add_kernel_node(self.graph, functions[plan.kernel], plan.grid, plan.block,
-                                                 plan.shared, values, [nodes[d] for d in plan.deps], plan.where)
+                                                 plan.shared, values, full, plan.where, prog)
                 nodes.append(node)
                 self._keep.append((block, p))
                 if word_positions:
@@ -282,7 +312,8 @@ class GenerationGraph(ExecutableGraph):
     `condition`: the set_condition CUfunction; `ctrl`: the device address of ctrl (int64[4]).
     """
 
-    def __init__(self, writer, body, step, condition, ctrl: int, functions, bases: dict, words, ctx):
+    def __init__(self, writer, body, step, condition, ctrl: int, functions, bases: dict, words, ctx,
+                 pdl: bool = True):
         cu = driver.cuda()
         self._cu = cu
         self.graph = call(cu.cuGraphCreate, 0)
@@ -293,10 +324,10 @@ class GenerationGraph(ExecutableGraph):
             self._keep.append(handle)
             self._condition = (condition, [int(handle), ctrl])
 
-            def add_plan(graph, plan, deps):
+            def add_plan(graph, plan, deps, programmatic=()):
                 values, _ = param_values(plan, bases, words)
                 return self._add(graph, functions[plan.kernel], plan.grid, plan.block, plan.shared, values,
-                                 deps, plan.where)
+                                 deps, plan.where, programmatic)
 
             first = add_plan(self.graph, step, [])
             cond = self._add_condition(self.graph, [first])
@@ -304,7 +335,7 @@ class GenerationGraph(ExecutableGraph):
             loop = self._add_while(self.graph, handle, ctx, [table])
             nodes = []  # the body's copy of the decode kernels; deps on the writer (node 0) are dropped
             for plan in body:
-                nodes.append(add_plan(loop, plan, [nodes[d - 1] for d in plan.deps if d > 0]))
+                nodes.append(add_plan(loop, plan, *split_edges(plan, nodes, pdl, offset=-1)))
             needed = {d - 1 for plan in body for d in plan.deps if d > 0}
             sinks = [n for i, n in enumerate(nodes) if i not in needed]
             again = add_plan(loop, step, sinks)
@@ -314,8 +345,9 @@ class GenerationGraph(ExecutableGraph):
             self.destroy()
             raise
 
-    def _add(self, graph, function, grid, block, shared, values, deps, where):
-        node, cells, p = add_kernel_node(graph, function, grid, block, shared, values, deps, where)
+    def _add(self, graph, function, grid, block, shared, values, deps, where, programmatic=()):
+        node, cells, p = add_kernel_node(graph, function, grid, block, shared, values, deps, where,
+                                         programmatic)
         self._keep.append((cells, p))
         return node
 

@@ -90,17 +90,18 @@ def _check_instantiate(mode) -> None:
         raise ValueError(f"instantiate={mode!r}: expected one of {', '.join(map(repr, INSTANTIATE_MODES))}")
 
 
-def load(path, device: int = 0, instantiate: str = "lazy") -> "LoadedPackage":
+def load(path, device: int = 0, instantiate: str = "lazy", pdl: bool = True) -> "LoadedPackage":
     """Read, validate and load a `.grace` package onto CUDA device `device`. `instantiate`: "lazy"
     (a session instantiates a graph on the first call that selects it) or "eager" (every graph when
-    the session is made)."""
+    the session is made). `pdl=False` builds the package's programmatic edges as full edges (A/B
+    runs, debugging); on a GPU older than sm_90 they always are (SPEC §5.3)."""
     _check_instantiate(instantiate)  # before reading the file
     from grace.formats import read_package  # the reader pulls in safetensors: import on first use
 
     t0 = time.perf_counter()
     package = read_package(path)
     t1 = time.perf_counter()
-    loaded = LoadedPackage(package, device, instantiate)
+    loaded = LoadedPackage(package, device, instantiate, pdl)
     loaded.load_stats.update(read_s=t1 - t0, total_s=time.perf_counter() - t0)
     return loaded
 
@@ -116,7 +117,7 @@ class LoadedPackage:
     (weights_s, weights_nbytes, upload: the copy method).
     """
 
-    def __init__(self, package, device: int = 0, instantiate: str = "lazy"):
+    def __init__(self, package, device: int = 0, instantiate: str = "lazy", pdl: bool = True):
         _check_instantiate(instantiate)
         self.device = None
         self.instantiate = instantiate
@@ -137,6 +138,8 @@ class LoadedPackage:
         self.generate = GeneratePlan(manifest, self.state) if manifest.get("generate") else None
         self.load_stats = {}
         self.device = driver.Device(device)
+        # programmatic edges need sm_90 (griddepcontrol); full edges are always a correct stand-in
+        self.pdl = bool(pdl) and self.device.capability >= (9, 0)
         try:
             self.arch = pick_arch(self.device.capability, manifest["archs"])
             t0 = time.perf_counter()

@@ -254,7 +254,7 @@ class Session:
         self._device.make_current()
         loop = GenerationGraph(decode[0], decode[1:], plan.step, package.set_condition_function(),
                                self._state + plan.ctrl.offset, package.functions, self._bases, words,
-                               self._device.ctx)
+                               self._device.ctx, package.pdl)
         self._generation_graph = loop
         self.instantiations["generate"] = self.instantiations.get("generate", 0) + 1
         loop.upload(self._stream)
@@ -276,7 +276,7 @@ class Session:
         writes all table words)."""
         package = self._package
         words = [0] * table_word_count(package.manifest)
-        graph = ExecutableGraph(package.plans[g], package.functions, self._bases, words)
+        graph = ExecutableGraph(package.plans[g], package.functions, self._bases, words, package.pdl)
         self._graphs[g] = graph
         name = package.graph_names[g]
         self.instantiations[name] = self.instantiations.get(name, 0) + 1

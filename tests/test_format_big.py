@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import safetensors
 
-from grace.formats import (ChecksumError, FormatError, TensorBlob, decode_weights, encode_weights,
+from grace.formats import (FORMAT_VERSION, ChecksumError, FormatError, TensorBlob, decode_weights, encode_weights,
                            read_package, write_package)
 from grace.formats import container
 from grace.formats.dtypes import DTYPES
@@ -139,7 +139,7 @@ def test_a_reader_verifies_the_companion_itself(tmp_path, monkeypatch):
 def _repacked(sections, companion: bytes) -> bytes:
     """A package whose `sha256/weights` companion is `companion` (index hashes all correct)."""
     import msgpack
-    manifest = {**make_manifest(), "format_version": [3, 1]}
+    manifest = {**make_manifest(), "format_version": list(FORMAT_VERSION)}
     return pack_package_bytes(msgpack.packb(manifest, use_bin_type=True),
                               {**sections, "sha256/weights": companion})
 

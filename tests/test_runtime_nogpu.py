@@ -12,6 +12,7 @@ Three layers:
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import subprocess
 import sys
@@ -362,6 +363,7 @@ class FakeDriver:
         self.launches = []        # writer parameter values at each launch
         self.launched = []        # (exec handle, writer node index) per launch
         self.copies_htod = 0
+        self.edges = []           # (from node, to node, type, from_port) per added dependency
         self.registered = []      # (address, nbytes, flags) per cuMemHostRegister
         self.unregistered = []
         self.refuse_register = False
@@ -461,6 +463,12 @@ class FakeDriver:
                            [int(d) - 1 for d in deps], int(g)))
         return (self.ok, self._real.CUgraphNode(len(self.nodes)))
 
+    def cuGraphAddDependencies(self, g, from_, to, edges, n):
+        assert n == len(from_) == len(to) == len(edges)
+        for a, b, e in zip(from_, to, edges):
+            self.edges.append((int(a) - 1, int(b) - 1, int(e.type), int(e.from_port)))
+        return (self.ok,)
+
     def cuGraphInstantiate(self, g, flags):
         self.instantiated.append(int(g))
         return (self.ok, self._real.CUgraphExec(int(g) + 0x1000))
@@ -543,6 +551,43 @@ def test_refused_registration_falls_back_to_pageable_copies(fake, tmp_path, monk
 def test_small_weights_are_copied_without_registering(fake, pkg):
     assert pkg.load_stats["upload"] == "pageable" and fake.registered == []
     assert set(pkg.load_stats) >= {"read_s", "kernels_s", "weights_s", "total_s"}
+
+
+def _pdl_manifest():
+    """scale_add twice, the second after the first by a programmatic edge (format 3.2)."""
+    m = manifest()
+    second = copy.deepcopy(m["graphs"][0]["nodes"][1])
+    second.update(deps=[0, 1], programmatic=[1], label="scale_add_again")
+    m["graphs"][0]["nodes"].append(second)
+    return m
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_programmatic_deps_become_programmatic_edges(fake, tmp_path, pdl):
+    """`programmatic` deps are added with cuGraphAddDependencies and programmatic edge data;
+    load(pdl=False) builds them as ordinary edges of cuGraphAddKernelNode."""
+    cu = fake._real
+    pkg = rt.load(write(tmp_path / "m.grace", _pdl_manifest()), pdl=pdl)
+    pkg.session().run(np.ones((ROWS, COLS), np.float32))
+    deps = [node[5] for node in fake.nodes]
+    if pdl:
+        assert deps == [[], [0], [0]]
+        assert fake.edges == [(1, 2, int(cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC),
+                               int(cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC))]
+    else:
+        assert deps == [[], [0], [0, 1]] and fake.edges == []
+    pkg.close()
+
+
+def test_programmatic_deps_must_be_deps(fake, tmp_path):
+    from grace.formats import ManifestError
+    m = _pdl_manifest()
+    m["graphs"][0]["nodes"][2]["programmatic"] = [0]
+    with pytest.raises(ManifestError, match="table writer"):
+        write(tmp_path / "m.grace", m)
+    m["graphs"][0]["nodes"][2].update(deps=[0], programmatic=[1])
+    with pytest.raises(ManifestError, match="not one of the deps"):
+        write(tmp_path / "m.grace", m)
 
 
 def test_session_builds_the_graph_from_the_manifest(fake, tmp_path):

@@ -10,6 +10,8 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
   grace run()      Session.run() per token on device tensors, argmax by torch
   grace generate() Session.generate(): prefill, then every decode step inside one CUDA graph
                    WHILE loop; per token = (time for N+1 tokens - time for 1 token) / N
+  ... PDL          the same model compiled with pdl=True (docs/design-pdl.md): programmatic
+                   edges; "PDL build, full edges" loads that package with load(pdl=False)
 Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes). The HBM
 fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
 positions up to the current one) / time / 4.3 TB/s (the copy rate measured on the H200).
@@ -86,7 +88,7 @@ def _time_tokens(step, tok, pos, steps, repeats, sync):
 
 
 def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),
-        out=None) -> dict:
+        out=None, pdl_ab=True) -> dict:
     import numpy as np
     import torch
     from torch.export import Dim
@@ -120,6 +122,7 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
     sess = pkg.session()
     sess.sync()
     res["grace_load_s"] = time.perf_counter() - t0
+    sess.close()
     res["grace_load"] = dict(pkg.load_stats)
     _log(f"loaded in {res['grace_load_s']:.2f} s: {pkg.load_stats}")
 
@@ -160,35 +163,60 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
     except Exception as e:  # recorded, the others still run
         res["errors"]["reduce-overhead"] = f"{type(e).__name__}: {e}"[:2000]
 
-    # grace run() per token
-    def grace_step(tok, p):
-        logits = torch.from_dlpack(sess.run(idx=tok, input_pos=p)["out"])
-        return logits[0, -1].argmax().view(1, 1), p + 1
+    def measure_grace(pkg, suffix=""):
+        sess = pkg.session()
 
-    sess.reset_state()
-    logits = torch.from_dlpack(sess.run(idx=dev_prompt[None], input_pos=torch.arange(pos, device="cuda"))["out"])
-    tok, p = logits[0, -1].argmax().view(1, 1), torch.tensor([pos], device="cuda")
-    res["ms_per_token"]["grace run()"] = _time_tokens(grace_step, tok, p, steps, repeats, sync)
-    _log(f"grace run() {res['ms_per_token']['grace run()']:.3f} ms/token")
+        def grace_step(tok, p):   # grace run() per token
+            logits = torch.from_dlpack(sess.run(idx=tok, input_pos=p)["out"])
+            return logits[0, -1].argmax().view(1, 1), p + 1
 
-    # grace generate(): on-device loop
-    host_prompt = prompt.numpy()
-    got = sess.generate(host_prompt, steps)
-    res["grace_tokens_equal_eager"] = int(sum(a == b for a, b in zip(got.tolist(), ref_tokens)))
+        sess.reset_state()
+        logits = torch.from_dlpack(sess.run(idx=dev_prompt[None],
+                                            input_pos=torch.arange(pos, device="cuda"))["out"])
+        tok, p = logits[0, -1].argmax().view(1, 1), torch.tensor([pos], device="cuda")
+        key = f"grace run(){suffix}"
+        res["ms_per_token"][key] = _time_tokens(grace_step, tok, p, steps, repeats, sync)
+        _log(f"{key} {res['ms_per_token'][key]:.3f} ms/token")
 
-    def timed_generate(n):
-        best = float("inf")
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            sess.generate(host_prompt, n)
-            best = min(best, time.perf_counter() - t0)
-        return best
+        # grace generate(): on-device loop
+        host_prompt = prompt.numpy()
+        got = sess.generate(host_prompt, steps)
+        res[f"grace_tokens_equal_eager{suffix}"] = int(sum(a == b for a, b in zip(got.tolist(), ref_tokens)))
 
-    one, many = timed_generate(1), timed_generate(steps + 1)
-    res["grace_generate_prefill_ms"] = one * 1e3
-    res["ms_per_token"]["grace generate()"] = (many - one) / steps * 1e3
-    _log(f"grace generate() {res['ms_per_token']['grace generate()']:.3f} ms/token")
+        def timed_generate(n):
+            best = float("inf")
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                sess.generate(host_prompt, n)
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        one, many = timed_generate(1), timed_generate(steps + 1)
+        res[f"grace_generate_prefill_ms{suffix}"] = one * 1e3
+        key = f"grace generate(){suffix}"
+        res["ms_per_token"][key] = (many - one) / steps * 1e3
+        _log(f"{key} {res['ms_per_token'][key]:.3f} ms/token")
+        sess.close()
+
+    measure_grace(pkg)
+    pkg.close()
+    if pdl_ab:
+        # the same model compiled with programmatic edges (docs/design-pdl.md), run with them
+        # and, the same package, with them built as full edges (load(pdl=False))
+        t0 = time.perf_counter()
+        pdl_path = workdir / f"decode-{shape}-pdl.grace"
+        grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                          output=pdl_path, progress=False,
+                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                          buckets={"seq": [1, min(1024, max_seq)]},
+                          generate={"tokens": "idx", "positions": "input_pos"}, pdl=True)
+        model.cuda()
+        res["grace_pdl_compile_s"] = time.perf_counter() - t0
+        for suffix, edges in ((" PDL", True), (" PDL build, full edges", False)):
+            other = load(pdl_path, instantiate="eager", pdl=edges)
+            measure_grace(other, suffix)
+            other.close()
     res["hbm_fraction"] = {k: need / (v * 1e-3) / COPY_RATE for k, v in res["ms_per_token"].items()}
     res["grace_graphs"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                            for g in pkg.manifest["graphs"]]
@@ -205,7 +233,8 @@ def format_table(res) -> str:
     for k, v in res["ms_per_token"].items():
         ratio = f"{v / ro:7.2f}" if ro else "      -"
         lines.append(f"{k:<18} {v:9.3f} {res['hbm_fraction'][k]:6.1%} {ratio}")
-    lines.append(f"grace tokens equal to eager: {res.get('grace_tokens_equal_eager')}/{res['steps']}; "
+    lines.append(f"grace tokens equal to eager: {res.get('grace_tokens_equal_eager')}/{res['steps']} "
+                 f"(PDL: {res.get('grace_tokens_equal_eager PDL', '-')}); "
                  f"compile {res.get('grace_compile_s', 0):.0f} s, load {res.get('grace_load_s', 0):.2f} s")
     for k, e in res["errors"].items():
         lines.append(f"error {k}: {e[:200]}")
@@ -221,8 +250,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", help="write the results as JSON")
+    ap.add_argument("--no-pdl-ab", action="store_true",
+                    help="skip the grace runs of a second package compiled with pdl=True")
     a = ap.parse_args(argv)
-    res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out)
+    res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out, not a.no_pdl_ab)
     print(format_table(res))
 
 

@@ -294,6 +294,8 @@ def cmd_compile(args) -> int:
     extra = {"buckets": buckets} if buckets else {}
     if generate is not None:
         extra["generate"] = generate
+    if args.pdl:
+        extra["pdl"] = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
         path = aot.compile(ep, output=output, archs=tuple(dict.fromkeys(archs)), name=name, progress=True,
@@ -329,7 +331,20 @@ def cmd_verify(args) -> int:
     sections = getattr(pkg, "section_info", []) or []
     version = pkg.format_version
     version = ".".join(map(str, version)) if isinstance(version, (list, tuple)) else str(version)
-    print(f"OK {args.package}: format {version}, {len(sections)} sections verified (sha256), manifest valid")
+    from grace.tools.races import check_pre_wait, check_races, unchecked_reason
+
+    problems = check_races(pkg.manifest) + check_pre_wait(pkg)
+    if problems:
+        for problem in problems[:20]:
+            print(f"race: {problem}", file=sys.stderr)
+        more = " (first 20 shown)" if len(problems) > 20 else ""
+        raise CliError(f"{args.package}: {len(problems)} ordering problem(s){more}")
+    reason = unchecked_reason(pkg.manifest)
+    races = "graphs race-free" if reason is None else "race check skipped"
+    print(f"OK {args.package}: format {version}, {len(sections)} sections verified (sha256), manifest valid, "
+          f"{races}")
+    if reason:
+        print(f"note: {reason}", file=sys.stderr)
     return 0
 
 
@@ -588,6 +603,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache ([seq] int64) and optionally the logits output (default: the first output). "
                         "Adds a one-token decode graph and the on-device argmax step; the token loop then "
                         "runs on the GPU with no host round trip per token")
+    c.add_argument("--pdl", action="store_true",
+                   help="programmatic dependent launch between kernels (sm_90+ only; docs/design-pdl.md). "
+                        "Off by default: so far it measured slower on the H200 (docs/performance.md); "
+                        "grace.runtime.load(path, pdl=False) runs such a package with full edges, for A/B")
     c.set_defaults(func=cmd_compile)
 
     i = sub.add_parser(
@@ -671,8 +690,10 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser(
         "verify",
         help="check a package's hashes and manifest",
-        description="Read a package with full sha256 verification of every section and manifest validation. "
-        "Prints OK, or the first problem found (exit 1).",
+        description="Read a package with full sha256 verification of every section and manifest validation, "
+        "then prove its graphs race-free: every two nodes whose memory overlaps, one writing, are ordered "
+        "by edges, and kernels behind programmatic edges read only weights before gdc_wait() "
+        "(docs/design-pdl.md). Prints OK, or the problems found (exit 1).",
         epilog="examples:\n  grace verify model.grace\n",
         formatter_class=_Formatter,
     )

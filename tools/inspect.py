@@ -165,6 +165,9 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
                 "nodes": len(nodes),
                 "unique_kernels": len({n.get("kernel") for n in nodes}),
                 "edges": sum(len(n.get("deps", []) or []) for n in nodes),
+                # by kind (format 3.2): programmatic edges let a kernel launch before the ones
+                # it depends on finish (docs/design-pdl.md); the rest are full edges
+                "edges_by_kind": _edge_kinds(nodes),
                 "families": dict(sorted(fam.items(), key=lambda kv: (-kv[1], str(kv[0])))),
                 "stats": _jsonable(stats),
             }
@@ -451,13 +454,16 @@ def _render_graphs(console, d: Mapping, table) -> None:
             if k not in SHOWN_STATS and _is_number(v) and k not in stat_keys:
                 stat_keys.append(k)
     title = f"graphs, one per bucket ({len(graphs)})" if len(graphs) > 1 else "graphs (1)"
-    t = table(title, "graph", "bucket", ">kernels", ">unique kernels", ">arena", *(">" + k for k in stat_keys))
+    t = table(title, "graph", "bucket", ">kernels", ">unique kernels", ">edges (programmatic)", ">arena",
+              *(">" + k for k in stat_keys))
     for g in graphs:
         stats = g.get("stats") or {}
         arena = g.get("arena")
+        kinds = g.get("edges_by_kind") or {}
         t.add_row(escape(str(g["name"])), _bucket_text(g.get("bucket") or {}),
                   _num(g["kernels"]) if g.get("kernels") is not None else "-",
                   str(stats.get("unique_kernels", g["unique_kernels"])),
+                  f"{g['edges']} ({kinds.get('programmatic', 0)})",
                   human_bytes(arena) if _is_number(arena) else "-",
                   *(_num(stats[k]) if _is_number(stats.get(k)) else "-" for k in stat_keys))
     console.print(t)
@@ -467,12 +473,25 @@ def _render_graphs(console, d: Mapping, table) -> None:
         _render_families(console, graphs, table)
 
 
+def _edge_kinds(nodes) -> dict:
+    total = sum(len(n.get("deps", []) or []) for n in nodes)
+    prog = sum(len(n.get("programmatic", []) or []) for n in nodes)
+    return {"full": total - prog, "programmatic": prog}
+
+
+def _edge_text(g: Mapping) -> str:
+    kinds = g.get("edges_by_kind") or {}
+    if kinds.get("programmatic"):
+        return f"{g['edges']} dependency edges ({kinds['programmatic']} programmatic)"
+    return f"{g['edges']} dependency edges"
+
+
 def _render_graph_detail(console, g: Mapping, table) -> None:
     """A single graph (static package): its families and its whole `stats` map."""
     from rich.table import Table
 
     console.print(f"[bold]graph {g['name']!r}[/bold]: {g['nodes']} nodes, {g['unique_kernels']} unique kernels, "
-                  f"{g['edges']} dependency edges", highlight=False)
+                  f"{_edge_text(g)}", highlight=False)
     t = table(None, "family", ">nodes")
     for fam, n in g.get("families", {}).items():
         t.add_row(str(fam), str(n))

@@ -1,0 +1,238 @@
+"""Programmatic dependent launch (format 3.2, docs/design-pdl.md) on the CPU: an sm_90 package
+compiled with pdl=True has
+programmatic kernel->kernel edges and kernels that wait before touching anything but weights; the
+sm_80 build of the same model has neither; both are proven race-free from the manifest by
+`grace.tools.races` (which also catches a planted missing edge and a planted early read); and the
+interpreter gives bit-identical results for both builds."""
+from __future__ import annotations
+
+import copy
+import pathlib
+import subprocess
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+from torch.export import Dim  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.formats import read_package  # noqa: E402
+from grace.formats.package import pack_package_bytes  # noqa: E402
+from grace.tools.models import CachedLlama  # noqa: E402
+from grace.tools.races import check_pre_wait, check_races  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MAX_SEQ = 32
+
+
+def _model():
+    torch.manual_seed(0)
+    return CachedLlama(vocab=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden=64,
+                       max_seq=MAX_SEQ).eval()
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pdl")
+    t = Dim("seq", min=1, max=MAX_SEQ)
+    out = {}
+    for arch in ("sm_90", "sm_80"):
+        out[arch] = grace_compile(
+            _model(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+            output=tmp / f"lm-{arch}.grace", progress=False, fp32_matmul="ieee", archs=(arch,),
+            pdl=arch == "sm_90",
+            dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}}, buckets={"seq": [8, MAX_SEQ]},
+            generate={"tokens": "idx", "positions": "input_pos"})
+    return out
+
+
+def _edges(manifest):
+    full = prog = 0
+    for g in manifest["graphs"]:
+        for node in g["nodes"]:
+            p = len(node.get("programmatic", []))
+            prog += p
+            full += len(node["deps"]) - p
+    return full, prog
+
+
+def test_sm90_has_programmatic_edges_and_sm80_none(builds):
+    m90 = read_package(builds["sm_90"]).manifest
+    m80 = read_package(builds["sm_80"]).manifest
+    assert m90["options"]["pdl"] is True and m80["options"]["pdl"] is False
+    full90, prog90 = _edges(m90)
+    full80, prog80 = _edges(m80)
+    assert prog90 > 0 and prog80 == 0
+    assert full90 + prog90 == full80 + prog80   # the same dependencies, only their kind differs
+    for g in m90["graphs"]:
+        for node in g["nodes"]:
+            assert set(node.get("programmatic", [])) == set(node["deps"]) - {0}
+
+
+def test_sources_wait_in_pdl_builds_only(builds):
+    for arch, waits in (("sm_90", True), ("sm_80", False)):
+        pkg = read_package(builds[arch])
+        for k in pkg.manifest["kernels"]:
+            if k["family"] in ("table_writer", "generate_step"):
+                continue
+            src = bytes(pkg.section(k["source"])).decode()
+            assert ("gdc_wait()" in src) == waits, (arch, k["name"])
+
+
+def test_matmuls_load_their_weight_tile_before_the_wait(builds):
+    """The point of PDL: a linear layer starts streaming its weights while the kernel before it
+    finishes. At least the projections (weights only on one side) do so."""
+    pkg = read_package(builds["sm_90"])
+    early = 0
+    for k in pkg.manifest["kernels"]:
+        if k["family"] != "matmul":
+            continue
+        src = bytes(pkg.section(k["source"])).decode()
+        before = src.split("gdc_wait()")[0]
+        early += "_early" in before and "tl.load(" in before
+    assert early >= 4
+
+
+def test_both_builds_are_race_free(builds):
+    for arch in builds:
+        pkg = read_package(builds[arch])
+        assert check_races(pkg.manifest) == [], arch
+        assert check_pre_wait(pkg) == [], arch
+
+
+def test_kernels_declare_what_they_write(builds):
+    m = read_package(builds["sm_90"]).manifest
+    for k in m["kernels"]:
+        assert k["writes"], k["name"]   # every kernel stores something
+        assert all(k["params"][i]["type"].startswith("*") for i in k["writes"])
+
+
+def _repack(pkg, manifest, sections=None) -> bytes:
+    secs = {name: bytes(pkg.section(name)) for name in pkg.section_names
+            if not name.startswith("sha256/")}
+    secs.update(sections or {})
+    return pack_package_bytes(msgpack.packb(manifest, use_bin_type=True), secs,
+                              version=tuple(manifest["format_version"]))
+
+
+def test_race_checker_catches_a_missing_edge(builds):
+    pkg = read_package(builds["sm_90"])
+    m = copy.deepcopy(pkg.manifest)
+    graph = m["graphs"][0]
+    # a node that reads the output of the node right before it: drop that edge
+    j = next(j for j, n in enumerate(graph["nodes"]) if j >= 2 and j - 1 in n["deps"]
+             and len(n["deps"]) == 2)
+    graph["nodes"][j]["deps"].remove(j - 1)
+    graph["nodes"][j]["programmatic"] = [d for d in graph["nodes"][j].get("programmatic", [])
+                                         if d != j - 1]
+    problems = check_races(m)
+    assert problems and any(f"node {j} " in p for p in problems)
+    assert check_races(pkg.manifest) == []
+
+
+def test_race_checker_catches_writes_to_weights_and_inputs(builds):
+    m = copy.deepcopy(read_package(builds["sm_90"]).manifest)
+    node = m["graphs"][0]["nodes"][1]
+    kernel = m["kernels"][node["kernel"]]
+    w = kernel["writes"][0]
+    node["args"][w] = {"region": "weights", "offset": 0, "nbytes": 4}
+    assert any("writes the weights" in p for p in check_races(m))
+
+
+def test_pre_wait_checker_catches_an_early_read(builds, tmp_path):
+    """A kernel edited to load an I/O pointer before its wait (a race PDL would make real)."""
+    pkg = read_package(builds["sm_90"])
+    m = copy.deepcopy(pkg.manifest)
+    k = next(i for i, kern in enumerate(m["kernels"]) if kern["family"] == "pointwise"
+             and any(p["name"] for p in kern["params"]))
+    src = bytes(pkg.section(m["kernels"][k]["source"])).decode()
+    first = src.split("(", 2)[1].split(",")[0].split(")")[0].strip()   # the first parameter
+    bad = src.replace("    gdc_launch_dependents()\n",
+                      f"    gdc_launch_dependents()\n    early = tl.load({first})\n", 1)
+    assert bad != src
+    data = _repack(pkg, m, {m["kernels"][k]["source"]: bad.encode()})
+    problems = check_pre_wait(read_package(data))
+    uses = [n for g in m["graphs"] for n in g["nodes"] if n["kernel"] == k and n.get("programmatic")]
+    if uses:
+        assert any("before gdc_wait()" in p for p in problems)
+
+
+def test_grace_verify_proves_and_refuses(builds, tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "grace.tools.cli", "verify", str(builds["sm_90"])],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and "race-free" in ok.stdout
+    pkg = read_package(builds["sm_90"])
+    m = copy.deepcopy(pkg.manifest)
+    graph = m["graphs"][-1]
+    j = next(j for j, n in enumerate(graph["nodes"]) if j >= 2 and j - 1 in n["deps"])
+    graph["nodes"][j]["deps"].remove(j - 1)
+    graph["nodes"][j]["programmatic"] = [d for d in graph["nodes"][j].get("programmatic", [])
+                                         if d != j - 1]
+    bad = tmp_path / "bad.grace"
+    bad.write_bytes(_repack(pkg, m))
+    out = subprocess.run([sys.executable, "-m", "grace.tools.cli", "verify", str(bad)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "no path of edges orders them" in out.stderr
+
+
+
+
+def test_interpreter_results_are_identical_for_both_builds(builds, tmp_path):
+    """PDL changes when kernels may start, never what they compute: same bits on the CPU."""
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, 96, (1, 11)).astype(np.int64)
+    outs = {}
+    for arch, path in builds.items():
+        from grace.tools.interpret import InterpretSession
+        sess = InterpretSession(path)
+        outs[arch] = [sess.run({"idx": idx, "input_pos": np.arange(11)})["out"],
+                      sess.run({"idx": idx[:, :1], "input_pos": np.array([11])})["out"]]
+    for a, b in zip(outs["sm_90"], outs["sm_80"]):
+        np.testing.assert_array_equal(a, b)
+    with torch.no_grad():
+        model = _model()
+        ref = model(torch.from_numpy(idx), torch.arange(11)).numpy()
+    rel = np.linalg.norm(outs["sm_90"][0] - ref) / np.linalg.norm(ref)
+    assert rel < 1e-5
+
+
+def test_pdl_on_sm80_is_refused():
+    with pytest.raises(ValueError, match="pdl needs sm_90"):
+        grace_compile(_model(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                      output="/nonexistent/x.grace", archs=("sm_80",), pdl=True)
+
+
+def test_pdl_is_off_by_default(tmp_path):
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
+    path = grace_compile(m, (torch.randn(2, 16),), output=tmp_path / "mix.grace", progress=False,
+                         archs=("sm_90",))
+    manifest = read_package(path).manifest
+    assert manifest["options"]["pdl"] is False and _edges(manifest)[1] == 0
+
+
+def test_data_dependent_sizes_are_race_free_with_pdl(tmp_path):
+    """Kernels that write extents words (nonzero, .item()) and the kernels that read them."""
+    class Select(torch.nn.Module):
+        def forward(self, x, n):
+            picked = x[x > 0]                 # a data-dependent size
+            k = n.item()
+            torch._check(k >= 0)
+            torch._check(k <= 16)
+            return picked * 2, x[:k] + 1, torch.nonzero(x < 0)
+
+    path = grace_compile(Select(), (torch.randn(16), torch.tensor(5)), output=tmp_path / "sel.grace",
+                         progress=False, pdl=True)
+    pkg = read_package(path)
+    assert pkg.manifest["symbols"] and _edges(pkg.manifest)[1] > 0
+    assert check_races(pkg.manifest) == [] and check_pre_wait(pkg) == []
+    x = np.random.default_rng(0).standard_normal(16).astype(np.float32)
+    from grace.tools.interpret import run_package
+    out = run_package(path, {"x": x, "n": np.array(5)})
+    got = list(out.values())
+    np.testing.assert_allclose(got[0], x[x > 0] * 2, rtol=1e-6)
+    np.testing.assert_allclose(got[1], x[:5] + 1, rtol=1e-6)
+    np.testing.assert_array_equal(got[2].reshape(-1), np.nonzero(x < 0)[0])
