@@ -66,7 +66,7 @@ def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict) -> dic
             "dtype": "int64"}
 
 
-def weight_bytes(tensor: torch.Tensor):
+def weight_view(tensor: torch.Tensor):
     """The tensor's bytes as a numpy view (no copy; it keeps the tensor alive) for a TensorBlob."""
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
 
@@ -147,7 +147,7 @@ def _state_entries(program: Program, plan: MemoryPlan, sections: dict) -> list[d
                         "offset": plan.state[id(b)], "nbytes": b.nbytes,
                         "init": "zeros" if zeros else "data"})
         if not zeros:
-            data[b.name] = (b.dtype, tuple(b.shape), weight_bytes(tensor))
+            data[b.name] = (b.dtype, tuple(b.shape), weight_view(tensor))
     if data:
         sections["state"] = TensorBlob(data)
     return entries
@@ -213,7 +213,7 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
         manifest["generate"]["step"]["kernel"] = unique[step.source.name]
     # streamed from the weight tensors into the file: an 8B model's weights are not copied in RAM
     sections["weights"] = TensorBlob({
-        b.name: (b.dtype, tuple(b.shape), weight_bytes(program.weight_data[b.name]))
+        b.name: (b.dtype, tuple(b.shape), weight_view(program.weight_data[b.name]))
         for b in program.weights})
     return manifest, sections
 

@@ -176,20 +176,15 @@ def check_pre_wait(package) -> list[str]:
             problems.append(f"kernel {kernel['name']}: target of programmatic edges, but the "
                             "package has no source to check")
             continue
-        names = [p["name"] for p in kernel["params"]]
-        weight_params = set()
-        for i, name in enumerate(names):
-            if all(node["args"][i].get("region") == "weights" for _, _, node in uses):
-                weight_params.add(name)
+        # parameter i is a weight when every node using the kernel passes it a weights range
+        weights = {i for i in range(len(kernel["params"]))
+                   if all(node["args"][i].get("region") == "weights" for _, _, node in uses)}
         source = bytes(package.section(kernel["source"])).decode("utf-8", "replace")
-        # the source's own parameter names (p0, p1_slot, ...) in manifest order
-        try:
+        try:   # the source names parameter i itself (p0, p1_slot, ...)
             fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef))
-            src_names = [a.arg for a in fn.args.args]
-            weight_params = {src_names[i] for i, name in enumerate(names) if name in weight_params
-                             and i < len(src_names)}
+            weight_params = {a.arg for i, a in enumerate(fn.args.args) if i in weights}
         except (SyntaxError, StopIteration):
-            pass
+            weight_params = set()   # _pre_wait_problems reports the source itself
         waits, found = _pre_wait_problems(source, weight_params)
         if not waits:
             graph, n, _ = uses[0]
