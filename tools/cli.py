@@ -333,6 +333,14 @@ def cmd_verify(args) -> int:
     version = ".".join(map(str, version)) if isinstance(version, (list, tuple)) else str(version)
     from grace.tools.races import check_pre_wait, check_races, unchecked_reason
 
+    from grace.tools.source_check import SourceRefused, check_kernel_source
+
+    for kernel in pkg.manifest["kernels"]:   # sources are what --interpret would run
+        if "source" in kernel:
+            try:
+                check_kernel_source(bytes(pkg.section(kernel["source"])).decode("utf-8"))
+            except (SourceRefused, UnicodeDecodeError) as e:
+                raise CliError(f"{args.package}: kernel {kernel['name']}: source refused: {e}") from None
     problems = check_races(pkg.manifest) + check_pre_wait(pkg)
     if problems:
         for problem in problems[:20]:
@@ -691,7 +699,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         help="check a package's hashes and manifest",
         description="Read a package with full sha256 verification of every section and manifest validation, "
-        "then prove its graphs race-free: every two nodes whose memory overlaps, one writing, are ordered "
+        "then check every kernel source against the Triton subset grace emits (what --interpret may run), "
+        "and prove its graphs race-free: every two nodes whose memory overlaps, one writing, are ordered "
         "by edges, and kernels behind programmatic edges read only weights before gdc_wait() "
         "(docs/design-pdl.md). Prints OK, or the problems found (exit 1).",
         epilog="examples:\n  grace verify model.grace\n",

@@ -207,7 +207,8 @@ def _interpret_mode():
 
 
 def _load_kernel_module(source: str, sha: str):
-    """Import kernel source as a module with Triton's interpreter; one module per source sha256."""
+    """Import kernel source as a module with Triton's interpreter; one module per source sha256.
+    Package sources reach it only through _kernel_function, which checks them first."""
     global _module_dir
     with _module_lock:
         mod = _module_cache.get(sha)
@@ -243,7 +244,16 @@ def _kernel_function(kernel: Mapping, package) -> Any:
         raw = bytes(package.section(section))
     except Exception as e:
         raise InterpretError(f"kernel {name!r}: cannot read source section {section!r}: {e}") from e
-    source = raw.decode("utf-8")
+    try:
+        source = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InterpretError(f"kernel {name!r}: source section {section!r} is not UTF-8 text ({e})") from None
+    # a package's Python runs here only if it is in the Triton subset grace's codegen emits
+    from .source_check import SourceRefused, check_kernel_source
+    try:
+        check_kernel_source(source)
+    except SourceRefused as e:
+        raise InterpretError(f"kernel {name!r}: kernel source refused, nothing from it was run: {e}") from None
     sha = hashlib.sha256(raw).hexdigest()
     mod = _load_kernel_module(source, sha)
     fn = getattr(mod, name, None)
