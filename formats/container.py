@@ -303,6 +303,8 @@ def _verify_sections(buf: memoryview, sections: list[SectionEntry]) -> None:
     by_name = {s.name: s for s in sections}
     jobs = []   # (what, view, expected digest)
     for s in sections:
+        if s.name.startswith(COMPANION_PREFIX) and s.name[len(COMPANION_PREFIX):] in by_name:
+            continue   # a companion: checked below, with the section it describes
         companion = by_name.get(COMPANION_PREFIX + s.name)
         if companion is None:
             jobs.append((f"section {s.name!r}", buf[s.offset:s.offset + s.nbytes], s.sha256))

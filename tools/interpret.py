@@ -156,10 +156,7 @@ def _interpret_mode():
     from triton.runtime.jit import JITFunction
 
     # triton.language.extra loads its backends as module objects of its own, distinct from the
-    # sys.modules entries that `from ... import` reads: patch both. Imported here, before the
-    # interpreter is switched on: imported under it, the module leaves triton in a state in which
-    # later compiles in forked build workers fail (seen as "'block_argument' object has no
-    # attribute 'get_element_ty'" from a test that interpreted in-process, then compiled).
+    # sys.modules entries that `from ... import` reads: patch both.
     import triton.language.extra.cuda  # noqa: F401  (the sys.modules entry)
     from triton.language import extra
     gdc_modules = list({id(m): m for m in (extra.cuda, sys.modules["triton.language.extra.cuda"])}.values())
