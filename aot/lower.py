@@ -417,7 +417,7 @@ def _worth_sharing(tv: TV) -> bool:
 
 def lower(program: ExportedProgram, name: str = "model", options: dict | None = None,
           bucket: dict | None = None) -> Program:
-    from . import lower_ops  # noqa: F401  (registers the handlers)
+    from . import lower_ops, lower_scan, lower_vision  # noqa: F401  (register the handlers)
     return Lowering(program, name, options, bucket).run()
 
 
