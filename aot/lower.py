@@ -91,6 +91,9 @@ class Lowering:
         self.node: torch.fx.Node | None = None
         self.folded: dict = {}
         self.sizes: dict = {}
+        # nodes whose effect an earlier handler already applied (a batch norm folded into the
+        # convolution before it): their handler passes the input through
+        self.absorbed: set = set()
 
     # ---- sizes at this bucket -----------------------------------------------------------------
     def size_of(self, size) -> int:
@@ -168,6 +171,7 @@ class Lowering:
                 self.env[node] = self.call(node)
             elif node.op == "output":
                 self.output(node, sig)
+        self._drop_unread_weights()
         return Program(self.kernels, self.inputs, self.outputs, self.weights, self.weight_data,
                        self.name, self.sizes, dict(self.bucket), self.state, self.state_data,
                        list(self.state_index_sizes))
@@ -230,6 +234,23 @@ class Lowering:
         self.weights.append(buf)
         self.weight_data[buf.name] = value.detach().contiguous().cpu()
         return views.contiguous_load(buf)
+
+    def derived_weight(self, name: str, tensor: torch.Tensor) -> TV:
+        """A weight computed at compile time from other weights (batch norm folded into a
+        convolution, its scale and shift)."""
+        buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "weight", name)
+        self.weights.append(buf)
+        self.weight_data[buf.name] = tensor.detach().contiguous().cpu()
+        return views.contiguous_load(buf)
+
+    def _drop_unread_weights(self) -> None:
+        """Weights no kernel reads (a convolution's weights once a batch norm is folded into a
+        copy of them) are not stored in the package."""
+        read = {id(buf) for kernel in self.kernels for buf in kernel.reads()}
+        unread = [b for b in self.weights if id(b) not in read]
+        for buf in unread:
+            self.weights.remove(buf)
+            self.weight_data.pop(buf.name, None)
 
     def call(self, node):
         handler = HANDLERS.get(node.target)
