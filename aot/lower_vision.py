@@ -131,11 +131,18 @@ def _conv2d(L, x, w, bias, stride, padding, dilation, groups, shape, dtype):
     o, _, kh, kw = w.shape
     _, _, oh, ow = shape
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    # im2col: [N, OH, OW, C, KH, KW] -> x[n, c, oh*sh + kh*dh - ph, ow*sw + kw*dw - pw]
-    maps = [DimMap("dim", 0), DimMap("dim", 3), _axis(1, 4, sh, dh, ph), _axis(2, 5, sw, dw, pw)]
-    window = TV(Reindex(x.expr, maps, bounds=x.shape, fill=0.0), (nb, oh, ow, c, kh, kw),
-                (x.dim_ext(0),) + (None,) * 5)
-    cols = L.realize(views.view(window, (nb * oh * ow, c * kh * kw)))
+    if kh == kw == 1 and ph == pw == 0:
+        # a 1x1 convolution reads x itself as the GEMM operand: [N·OH·OW, C] is a strided
+        # view of x (every s-th row and column), no im2col copy
+        sub = views.slice_(views.slice_(x, 2, 0, None, sh), 3, 0, None, sw)
+        cols = L.operand(views.view(views.permute(sub, [0, 2, 3, 1]), (nb * oh * ow, c)))
+    else:
+        # im2col: [N, OH, OW, C, KH, KW] -> x[n, c, oh*sh + kh*dh - ph, ow*sw + kw*dw - pw]
+        maps = [DimMap("dim", 0), DimMap("dim", 3), _axis(1, 4, sh, dh, ph),
+                _axis(2, 5, sw, dw, pw)]
+        window = TV(Reindex(x.expr, maps, bounds=x.shape, fill=0.0), (nb, oh, ow, c, kh, kw),
+                    (x.dim_ext(0),) + (None,) * 5)
+        cols = L.realize(views.view(window, (nb * oh * ow, c * kh * kw)))
     wmat = views.permute(views.view(w, (o, c * kh * kw)), [1, 0])
     out = _matmul(L, _FakeNode((nb * oh * ow, o), dtype), cols, wmat, _bias_epilogue(bias, 1, o))
     return views.permute(views.view(out, (nb, oh, ow, o)), [0, 3, 1, 2])
