@@ -650,3 +650,30 @@ def _unfold(L, node, x, dim, size, step):
     pos = Op("add", [Op("mul", [Index(dim), Const(step, "int64")], "int64"), Index(nd)], "int64")
     maps[dim] = DimMap("expr", expr=pos)
     return TV(Reindex(x.expr, maps), shape, tuple(x.exts()) + (None,))
+
+
+@handles(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided(L, node, x, size, stride, storage_offset=None):
+    """x.as_strided(size, stride, offset) reads x's *storage*, laid out as torch laid out x
+    (decompositions restride to channels-last this way). When that layout is dense — a
+    permutation of a contiguous one — x is stored in that order and the view reads it."""
+    src = node.args[0].meta["val"]
+    if x.ext is not None or any(not isinstance(s, int) for s in tuple(size) + tuple(stride)):
+        raise LoweringError("as_strided over dynamic sizes is not supported")
+    nd = len(x.shape)
+    order = sorted(range(nd), key=lambda d: (-int(src.stride()[d]), d))
+    permuted = [x.shape[d] for d in order]
+    dense = all(int(src.stride()[d]) == s or x.shape[d] == 1
+                for d, s in zip(order, contiguous_strides(permuted)))
+    if not dense:
+        raise LoweringError("as_strided of a tensor whose storage is not dense (overlapping or "
+                            "with gaps) is not supported")
+    stored = L.realize(views.permute(x, order) if nd else x)
+    base = int(src.storage_offset())
+    offset = (base if storage_offset is None else int(storage_offset)) - base
+    size, stride = [int(s) for s in size], [int(s) for s in stride]
+    last = offset + sum((n - 1) * s for n, s in zip(size, stride) if n > 0)
+    if min(size, default=1) > 0 and (offset < 0 or last >= max(math.prod(x.shape), 1)):
+        raise LoweringError("as_strided reads outside its input's storage")
+    buf = stored.expr.buf
+    return TV(Load(buf, offset, tuple(stride)), size)

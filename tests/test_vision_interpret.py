@@ -176,7 +176,10 @@ class Resample(nn.Module):
                 F.interpolate(x.flatten(2), size=30, mode="linear"),
                 torch.flip(x, [1, 3]), x.repeat(2, 1, 3, 1), x[0].repeat(2, 1, 1, 1),
                 torch.diagonal(x, 0, 2, 3), torch.diagonal(x, 2, -1, -2),
-                torch.diagonal(x, -1, 0, 1), x.unfold(2, 3, 2), x.unfold(-1, 2, 1))
+                torch.diagonal(x, -1, 0, 1), x.unfold(2, 3, 2), x.unfold(-1, 2, 1),
+                # a channels-last value restrided by the decomposition (as_strided), and directly
+                F.adaptive_avg_pool2d(x.permute(0, 2, 3, 1).relu().permute(0, 3, 1, 2), 1),
+                torch.as_strided(x, (2, 4), (3, 1), 5), torch.as_strided(x.exp(), (3, 3), (1, 8)))
 
 
 def test_resample_and_shuffles(tmp_path):

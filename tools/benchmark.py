@@ -78,7 +78,23 @@ def _models():
         return (models.hf_gpt2(n_layer=6, n_embd=768, n_head=12, vocab=50257, n_positions=1024),
                 lambda: torch.randint(0, 50257, (1, 32), device="cuda"))
 
-    return {"vit_s": vit_s, "gpt2_6l": gpt2_6l}
+    def cnn(name, dtype):
+        def make():
+            import timm
+            torch.manual_seed(0)
+            model = timm.create_model(name, pretrained=False).eval().to(dtype)
+            return model, lambda: torch.randn(1, 3, 224, 224, device="cuda", dtype=dtype)
+        return make
+
+    found = {"vit_s": vit_s, "gpt2_6l": gpt2_6l}
+    for name in CNNS:
+        found[name] = cnn(name, torch.float32)
+        found[f"{name}_bf16"] = cnn(name, torch.bfloat16)
+    return found
+
+
+# timm CNNs (random weights, batch 1, 224x224); `<name>_bf16` runs the same model in bf16
+CNNS = ("resnet50", "mobilenetv3_small_100", "efficientnet_b0", "convnext_tiny", "regnety_002")
 
 
 DYNAMIC_MODELS = ("bert_base_dyn",)
@@ -574,8 +590,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="vit_s,gpt2_6l",
-                    help="comma-separated workloads: vit_s, gpt2_6l (static), bert_base_dyn "
-                         "(dynamic sequence length); default vit_s,gpt2_6l")
+                    help="comma-separated workloads: vit_s, gpt2_6l, the timm CNNs "
+                         f"{', '.join(CNNS)} (each also as <name>_bf16) (static), "
+                         "bert_base_dyn (dynamic sequence length); default vit_s,gpt2_6l")
     ap.add_argument("--iters", type=int, default=100, help="calls per timed sample (default 100)")
     ap.add_argument("--repeats", type=int, default=5, help="samples; the median is reported (default 5)")
     ap.add_argument("--warmup", type=int, default=20, help="untimed calls first (default 20)")
@@ -603,7 +620,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
-    known = ("vit_s", "gpt2_6l") + DYNAMIC_MODELS
+    known = (("vit_s", "gpt2_6l") + CNNS + tuple(f"{n}_bf16" for n in CNNS)
+             + DYNAMIC_MODELS)
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         ap.error(f"--models: unknown workload {', '.join(unknown) or '(none given)'}; "
