@@ -7,6 +7,7 @@ compile error that names the op and the line of the user's model it came from.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import sympy
@@ -269,10 +270,21 @@ class Lowering:
             raise LoweringError(f"{exc} — in {node.target} (node '{node.name}'), used at "
                                 f"{source_line(node)}") from exc
         if isinstance(value, TV) and len(node.users) > 1 and _worth_sharing(value):
-            value = self.realize(value)
+            value = self.store(value)
         elif isinstance(value, TV) and expr_size(value.expr) > 160:
-            value = self.realize(value)
+            value = self.store(value)
         return value
+
+    def store(self, tv: TV) -> TV:
+        """Put an intermediate value in memory, in the layout it is computed in: a feature map
+        computed channels-last (a convolution's GEMM writes [N·H·W, C]) is stored channels-last
+        and read back through a permuted view, so neither the kernel that stores it nor the
+        convolutions that read it walk memory across the grain."""
+        perm = _channels_last_order(tv)
+        if perm is None:
+            return self.realize(tv)
+        inverse = [perm.index(d) for d in range(len(perm))]
+        return views.permute(self.realize(views.permute(tv, perm)), inverse)
 
     def with_extents(self, node, value):
         """Give a handler's result its extents. Views carry them along; a fresh value (pointwise
@@ -424,6 +436,33 @@ def fold_constants(graph, specs, state) -> dict:
         except Exception:
             continue
     return values
+
+
+def _channels_last_order(tv: TV):
+    """[0, 2, ..., 1] when tv (rank 4 or 5) reads a buffer of its own size channels-last at its
+    own index, else None."""
+    nd = len(tv.shape)
+    if nd not in (4, 5) or tv.shape[1] == 1 or math.prod(tv.shape[2:]) == 1:
+        return None
+    perm = [0] + list(range(2, nd)) + [1]
+    stored = contiguous_strides([tv.shape[d] for d in perm])
+    want = [0] * nd
+    for pos, d in enumerate(perm):
+        want[d] = stored[pos]
+    stack, seen = [tv.expr], set()
+    while stack:   # loads at tv's own index: through pointwise ops, not through index maps
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, Load):
+            if (node.offset == 0 and math.prod(node.buf.shape) == math.prod(tv.shape)
+                    and all(s == w or size == 1
+                            for s, w, size in zip(node.strides, want, tv.shape))):
+                return perm
+        elif isinstance(node, Op):
+            stack.extend(node.args)
+    return None
 
 
 def _worth_sharing(tv: TV) -> bool:

@@ -142,8 +142,19 @@ def _conv2d(L, x, w, bias, stride, padding, dilation, groups, shape, dtype):
                 _axis(2, 5, sw, dw, pw)]
         window = TV(Reindex(x.expr, maps, bounds=x.shape, fill=0.0), (nb, oh, ow, c, kh, kw),
                     (x.dim_ext(0),) + (None,) * 5)
-        cols = L.realize(views.view(window, (nb * oh * ow, c * kh * kw)))
-    wmat = views.permute(views.view(w, (o, c * kh * kw)), [1, 0])
+        cols = views.view(window, (nb * oh * ow, c * kh * kw))
+        kdim, wt = c * kh * kw, _weight_tensor(L, w)
+        if kdim % 32 and wt is not None:
+            # rows of 147 floats (a 7x7 RGB stem) are misaligned for vector loads: pad the
+            # columns and the weights with zeros to a multiple of 32
+            kp = -(-kdim // 32) * 32
+            cols = views.pad(cols, [0, kp - kdim], 0.0)
+            padded = torch.zeros((o, kp), dtype=wt.dtype)
+            padded[:, :kdim] = wt.reshape(o, kdim)
+            name = w.expr.buf.name
+            w = views.view(L.derived_weight(f"{name}.padded", padded), (o, kp, 1, 1))
+        cols = L.realize(cols)
+    wmat = views.permute(views.view(w, (o, cols.shape[1])), [1, 0])
     out = _matmul(L, _FakeNode((nb * oh * ow, o), dtype), cols, wmat, _bias_epilogue(bias, 1, o))
     return views.permute(views.view(out, (nb, oh, ow, o)), [0, 3, 1, 2])
 

@@ -91,14 +91,15 @@ def test_mobilenet_style(tmp_path):
 
 
 def test_batch_norm_folds_into_the_convolution():
-    """A conv + batch norm lowers to the GEMM alone, and the conv's own weights are not stored."""
+    """A conv + batch norm lowers to the GEMM alone, and the conv's own weights are not stored
+    (nor the folded ones: K = 27 is padded to 32, and only the padded copy is read)."""
     from grace.aot.export import export_model, to_core_aten
     from grace.aot.lower import lower
     m = _randomize_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())).eval()
     program = lower(to_core_aten(export_model(m, (torch.randn(1, 3, 8, 8),))))
     assert [k.family for k in program.kernels] == ["pointwise", "matmul", "pointwise"]
     assert sorted(b.name for b in program.weights) == ["fold.convolution.bias",
-                                                       "fold.convolution.weight"]
+                                                       "fold.convolution.weight.padded"]
 
 
 class Convs(nn.Module):
