@@ -206,9 +206,13 @@ def _conv_direct(L, x, w, bias, stride, padding, dilation, groups, shape, dtype)
     wmaps = [DimMap("dim", 1), DimMap("const", start=0)]
     wmaps += [DimMap("dim", 2 + nsp + i) for i in range(nsp)]
     wexpr = views.remap(w.expr, wmaps, len(win.shape))
-    prod = Op("mul", [_f32(win.expr), _f32(wexpr)], "float32")
+    prod = TV(Op("mul", [_f32(win.expr), _f32(wexpr)], "float32"), win.shape, win.ext)
+    # reduce in [N, *O, C, *K] order: the result is stored channels-last, like the GEMMs'
+    # around it, and neighbouring programs read neighbouring channels
+    order = [0] + list(range(2, 2 + nsp)) + [1] + list(range(2 + nsp, 2 + 2 * nsp))
     rdims = list(range(2 + nsp, 2 + 2 * nsp))
-    out = _reduce(L, TV(prod, win.shape, win.ext), rdims, "sum", False, "float32")
+    out = _reduce(L, views.permute(prod, order), rdims, "sum", False, "float32")
+    out = views.permute(out, [0, 1 + nsp] + list(range(1, 1 + nsp)))
     value = out.expr
     if bias is not None:
         value = Op("add", [value, _channel_vector(bias, L, out, "").expr], "float32")
