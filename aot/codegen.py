@@ -647,9 +647,203 @@ def _store_extent(w: Writer, symbol, value: str):
     w.emit(f"tl.store({ext} + {w.symbols[symbol]}, {value})")
 
 
+# ---- order-dependent kernels: arg-reductions, scans, sorting ----------------------------------
+# Values are compared through an integer *order key*: a float's bits mapped so that signed integer
+# order is the float order (-0.0 first made +0.0, so the two compare equal), NaN given the key of
+# its choice. Integer comparisons have no NaN corner cases in either Triton backend, and a key
+# with the column in its low bits makes a sort stable.
+INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1
+
+
+def _key_bits(dtype: str) -> int:
+    return 64 if dtype in ("float64", "int64") else 32
+
+
+def _order_key(w: Writer, x: str, dtype: str, flip: bool, nan_key: str | None) -> str:
+    """Emit `key`: an int32 (int64 for 64-bit types) increasing with `x` (decreasing when `flip`);
+    NaN gets `nan_key` (a literal) after the flip."""
+    bits = _key_bits(dtype)
+    it = "tl.int64" if bits == 64 else "tl.int32"
+    if dtype.startswith("float"):
+        ft = "tl.float64" if dtype == "float64" else "tl.float32"
+        w.emit(f"v = {x}.to({ft})")
+        w.emit("v = tl.where(v == 0.0, 0.0, v)")
+        w.emit(f"kb = v.to({it}, bitcast=True)")
+        w.emit(f"key = kb ^ ((kb >> {bits - 1}) & {INT64_MAX if bits == 64 else INT32_MAX})")
+    else:
+        w.emit(f"key = {x}.to({it})")
+    if flip:
+        w.emit("key = ~key")
+    if dtype.startswith("float") and nan_key is not None:
+        w.emit(f"key = tl.where(v != v, {nan_key}, key)")
+    return "key"
+
+
+def argreduce(kernel: Kernel, w: Writer):
+    """The index of the maximum (op "max") or minimum (op "min") of each row, over the flattened
+    `rdims`: NaN wins (torch), and among equal values the first index. Each lane keeps its best
+    key and the column it was first seen at; the lanes are then merged by key, ties to the lower
+    column."""
+    inp = kernel.inputs
+    src_shape, rdims, op = inp["src_shape"], inp["rdims"], inp["op"]
+    dtype = inp["src"].dtype
+    kept = [d for d in range(len(src_shape)) if d not in rdims]
+    rows = numel([src_shape[d] for d in kept])
+    cols = numel([src_shape[d] for d in rdims])
+    bn = min(next_pow2(max(cols, 2)), 1024)
+    br = max(1, min(next_pow2(rows), 4096 // bn, 64))
+    bits = _key_bits(dtype)
+    kt = "tl.int64" if bits == 64 else "tl.int32"
+    lowest = f"-{2**(bits - 1)}"
+    highest = str(INT64_MAX if bits == 64 else INT32_MAX)
+    src_ext = inp.get("src_ext") or (None,) * len(src_shape)
+    w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
+    w.emit(f"rmask = rows < {rows}")
+    kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
+    _and_into(w, "rmask", kept_ctx.valid([src_ext[d] for d in kept]))
+    w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
+    w.emit(f"best = tl.full([{br}, {bn}], {lowest}, {kt})")
+    w.emit(f"besti = tl.zeros([{br}, {bn}], tl.int32)")
+    w.emit(f"for start in range(0, {cols}, {bn}):")
+    w.indent += 1
+    w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
+    w.emit(f"mask = rmask & (cols < {cols})")
+    red_ctx = Ctx(w, [src_shape[d] for d in rdims], linear="cols")
+    _and_into(w, "mask", red_ctx.valid([src_ext[d] for d in rdims]))
+    dims = [None] * len(src_shape)
+    for i, d in enumerate(kept):
+        dims[d] = kept_ctx.dim(i)
+    for i, d in enumerate(rdims):
+        dims[d] = red_ctx.dim(i)
+    ctx = Ctx(w, src_shape, dims, mask="mask", zero="zero")
+    value = ExprEmitter(w).value(inp["src"], ctx)
+    key = _order_key(w, value, dtype, flip=op == "min", nan_key=highest)
+    w.emit(f"key = tl.where(mask, {key}, {lowest})")
+    w.emit("better = key > best")
+    w.emit("best = tl.where(better, key, best)")
+    w.emit("besti = tl.where(better, cols + zero, besti)")
+    w.indent -= 1
+    w.emit("top = tl.max(best, axis=1)")
+    w.emit(f"red = tl.min(tl.where(best == top[:, None], besti, {cols}), axis=1).to(tl.int64)")
+    w.emit(f"orow = tl.program_id(0) * {br} + tl.arange(0, {br})")
+    w.emit(f"omask = orow < {rows}")
+    w.emit(f"ozero = tl.zeros([{br}], tl.int32)")
+    out_ctx = Ctx(w, kernel.out_shape, linear="orow", mask="omask", zero="ozero")
+    _and_into(w, "omask", out_ctx.valid(kernel.ext))
+    value = ExprEmitter(w, acc="red").value(kernel.epilogue, out_ctx)
+    _store(w, kernel, value, out_ctx, f"[{br}]")
+    return (cdiv(rows, br), 1, 1), 4, 1
+
+
+def scan(kernel: Kernel, w: Writer):
+    """Inclusive prefix sums / products along the last dimension: column blocks in order, each
+    scanned with tl.cumsum / tl.cumprod and combined with the carry of the blocks before it.
+    Padding (past the row, past the true extent) holds the identity."""
+    shape = kernel.out_shape
+    inp = kernel.inputs
+    rows, cols, br, bn = _row_setup(kernel, w, shape)
+    acc_t = TL_TYPE[inp["acc_dtype"]]
+    prod = inp["op"] == "prod"
+    ident = "1" if prod else "0"
+    w.emit(f"carry = tl.full([{br}, 1], {ident}, {acc_t})")
+    col_entry = kernel.ext[-1] if kernel.ext else None
+    _row_loop(w, cols, bn, col_entry)
+    ctx = _row_ctx(w, shape, cols)
+    x = ExprEmitter(w).value(inp["src"], ctx)
+    w.emit(f"x = tl.where(mask, {x}.to({acc_t}), {ident})")
+    if prod:
+        w.emit("s = tl.cumprod(x, axis=1) * carry")
+    else:
+        w.emit("s = tl.cumsum(x, axis=1) + carry")
+    value = ExprEmitter(w, acc="s").value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{br}, {bn}]")
+    if cols > bn:   # the last column of the block carries into the next one
+        w.emit(f"carry = tl.sum(tl.where(tl.arange(0, {bn})[None, :] == {bn - 1}, s, 0), "
+               "axis=1)[:, None]")
+    w.indent -= 1
+    return (cdiv(rows, br), 1, 1), 4 if bn >= 256 else 2, 1
+
+
+def _bitonic_sort(w: Writer, br: int, bn: int, paired: bool = False):
+    """Sort the int64 `key` [br, bn] ascending along axis 1 with a bitonic network, unrolled.
+    A step pairs column i with i ^ j: viewing the row as [bn / 2j, 2, j], the partner is the pair's
+    sum minus the element (tl.sum over the axis of 2; wrapping int64 arithmetic is exact), then
+    each keeps the min or the max. (Triton's own sort does the same with an xor reduction, which
+    the interpreter runs element by element in Python: minutes for rows of a thousand.)
+    `paired`: the int32 column `idx` travels with each key and breaks ties (64-bit keys, which
+    leave no room for the column)."""
+    k = 2
+    while k <= bn:
+        j = k // 2
+        while j >= 1:
+            cube = f"[{br}, {bn // (2 * j)}, 2, {j}]"
+            w.emit(f"h = tl.reshape(key, {cube})")
+            w.emit(f"y = tl.reshape(tl.sum(h, axis=2, keep_dims=True) - h, [{br}, {bn}])")
+            lower = f"((cols & {j}) == 0)"
+            keep = lower if k == bn else f"({lower} == ((cols & {k}) == 0))"   # keeps the min
+            if paired:
+                w.emit(f"g = tl.reshape(idx, {cube})")
+                w.emit(f"yi = tl.reshape(tl.sum(g, axis=2, keep_dims=True) - g, [{br}, {bn}])")
+                w.emit(f"swap = ((y < key) | ((y == key) & (yi < idx))) == {keep}")
+                w.emit("key = tl.where(swap, y, key)")
+                w.emit("idx = tl.where(swap, yi, idx)")
+            else:
+                w.emit(f"key = tl.where({keep}, tl.minimum(key, y), tl.maximum(key, y))")
+            j //= 2
+        k *= 2
+
+
+def sort(kernel: Kernel, w: Writer):
+    """The permutation that sorts each row (the last dimension) of `src`, stably, ascending or
+    descending with NaN as the largest value; the first out_shape[-1] columns of it are stored
+    (topk). The whole row is one block: a key per element — order key in the high 32 bits, column
+    in the low ones, padding last — sorted by a bitonic network, the columns decoded. 64-bit
+    values sort (key, column) pairs instead."""
+    inp = kernel.inputs
+    shape = inp["src_shape"]
+    n, k = shape[-1], kernel.out_shape[-1]
+    rows = numel(shape) // n
+    bn = next_pow2(max(n, 2))
+    br = max(1, min(next_pow2(rows), max(1, 2048 // bn), 16))
+    src_ext = inp.get("src_ext") or (None,) * len(shape)
+    descending = inp["descending"]
+    _exit_outer(w, shape[:-1], src_ext[:-1], f"tl.program_id(0) * {br}")
+    w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
+    w.emit(f"rmask = rows < {rows}")
+    _and_into(w, "rmask", Ctx(w, shape[:-1], linear="rows").valid(src_ext[:-1]))
+    w.emit(f"cols = tl.arange(0, {bn})[None, :]")
+    w.emit(f"mask = rmask & (cols < {n})")
+    _and_into(w, "mask", _dim_valid(w, src_ext[-1], "cols"))
+    w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
+    ctx = Ctx(w, shape, linear=f"(rows * {n} + cols)", mask="mask", zero="zero")
+    value = ExprEmitter(w).value(inp["src"], ctx)
+    dtype = inp["src"].dtype
+    wide = _key_bits(dtype) == 64
+    top = INT64_MAX if wide else INT32_MAX
+    nan_key = f"-{top + 1}" if descending else str(top)
+    key = _order_key(w, value, dtype, flip=descending, nan_key=nan_key)
+    if wide:   # (key, column) pairs; padding: the largest key and a column past the real ones
+        w.emit(f"key = tl.where(mask, {key}, {INT64_MAX})")
+        w.emit("idx = cols + zero")
+        _bitonic_sort(w, br, bn, paired=True)
+    else:
+        w.emit(f"key = ({key}.to(tl.int64) << 32) | (cols + zero).to(tl.int64)")
+        w.emit(f"key = tl.where(mask, key, {INT64_MAX})")
+        _bitonic_sort(w, br, bn)
+        w.emit(f"idx = key & {INT32_MAX}")
+    if src_ext[-1] is not None:   # past the true length: padding, decoded to a readable column
+        w.emit(f"idx = tl.minimum(idx, {n - 1})")
+    w.emit(f"omask = rmask & (cols < {k})")
+    out_ctx = Ctx(w, kernel.out_shape, linear=f"(rows * {k} + cols)", mask="omask", zero="zero")
+    value = ExprEmitter(w, acc="idx").value(kernel.epilogue, out_ctx)
+    _store(w, kernel, value, out_ctx, f"[{br}, {bn}]")
+    return (cdiv(rows, br), 1, 1), 8 if br * bn >= 4096 else 4 if br * bn >= 256 else 2, 1
+
+
 TEMPLATES = {"pointwise": pointwise, "scatter": scatter, "reduction": reduction, "softmax": softmax,
              "layer_norm": layer_norm, "matmul": matmul, "attention": attention,
-             "compact": compact, "to_extent": to_extent}
+             "compact": compact, "to_extent": to_extent,
+             "argreduce": argreduce, "scan": scan, "sort": sort}
 
 
 def table_writer_source(slots: list[dict], extents: dict | None = None) -> KernelSource:
