@@ -2,7 +2,9 @@
 
 The pipeline, one module per stage (read them in this order):
     export.py   torch.export + core-ATen decompositions
-    lower.py    FX graph -> kernel IR (ir.py, views.py; op handlers in lower_ops.py)
+    lower.py    FX graph -> kernel IR (ir.py, views.py; op handlers in lower_ops.py,
+                lower_vision.py for convolutions/pooling/resampling, lower_scan.py for
+                scans, arg-reductions and sorts)
     fuse.py     epilogue fusion
     memplan.py  arena offsets + graph dependencies
     codegen.py  kernel IR -> Triton source (expressions in codegen_expr.py)
