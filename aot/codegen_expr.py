@@ -188,7 +188,10 @@ class Ctx:
     def dim(self, d: int) -> str:
         if d not in self._dims:
             if self.shape[d] == 1:
-                self._dims[d] = "0"
+                # index 0, as a block when the context has one: an address built from nothing
+                # but size-1 dimensions (a dynamic output of bound 1, e.g. nonzero of a 0-d
+                # tensor) must still be a block of pointers for a block-shaped store
+                self._dims[d] = self.zero
             else:
                 cs = contiguous_strides(self.shape)[d]
                 v = self.w.var("i")
@@ -238,7 +241,7 @@ def _literal(value, dtype: str) -> str:
 
 
 SAME_TYPE_OPS = {"add", "sub", "mul", "div", "maximum", "minimum", "neg", "remainder", "fmod",
-                 "floordiv"}
+                 "floordiv", "truncdiv"}
 FLOAT_OPS = {"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "sin", "cos", "log1p",
              "expm1", "gelu", "silu", "reciprocal", "pow"}
 
@@ -333,13 +336,211 @@ class ExprEmitter:
                 v = _cast(v, a_c, out_c)
             elif e.op == "where" and a is not e.args[0] and a_c != out_c:
                 v = _cast(v, a_c, out_c)
+            elif e.op == "pow" and not out_c.startswith("float"):
+                v = _cast(v, a_c, out_c) if a_c != out_c else v   # integer pow stays exact
             elif e.op in FLOAT_OPS and not a_c.startswith("float"):
                 v = _cast(v, a_c, "float32")
             args.append(v)
-        code = _op_code(e, args, out_c, [compute_dtype(a.dtype) for a in e.args])
+        special = getattr(self, f"_op_{e.op}", None)
+        code = special(e, args, out_c) if special is not None else None
+        if code is None:
+            code = _op_code(e, args, out_c, [compute_dtype(a.dtype) for a in e.args])
         v = w.var()
         w.emit(f"{v} = {code}")
         return v
+
+    # -- ops whose code needs intermediate values --------------------------------------------
+    # Each returns the code of the final value (bound to a variable by `_op`) after emitting
+    # what it needs, or None to fall back to the one-line template of `_op_code`.
+    def _bind(self, code: str) -> str:
+        v = self.w.var()
+        self.w.emit(f"{v} = {code}")
+        return v
+
+    def _op_floor(self, e, a, out_c):
+        return a[0] if not out_c.startswith("float") else None   # an integer is its own floor
+
+    _op_ceil = _op_trunc = _op_floor
+
+    def _op_round(self, e, a, out_c):
+        """Round half to even, as torch (and IEEE nearbyint): floor(x + 0.5) would round 2.5 to
+        3 and, in fp32, 0.49999997 to 1. With r = floor(x), x - r is exact; a tie goes to the
+        even neighbour. |x| >= 2^mantissa (and inf) is already an integer, NaN stays NaN."""
+        if not out_c.startswith("float"):
+            return a[0]
+        x = a[0]
+        big = 2.0 ** (52 if out_c == "float64" else 23)
+        r = self._bind(f"tl.floor({x})")
+        d = self._bind(f"{x} - {r}")
+        odd = self._bind(f"{r} - 2.0 * tl.floor({r} * 0.5)")   # 1 for an odd r, else 0
+        near = self._bind(f"tl.where({d} > 0.5, {r} + 1.0, tl.where({d} < 0.5, {r}, {r} + {odd}))")
+        return f"tl.where(tl.abs({x}) >= {big!r}, {x}, {near})"
+
+    def _op_log1p(self, e, a, out_c):
+        """log(1 + x) accurate near 0, where tl.log(1.0 + x) loses every digit (log1p(1e-8) would
+        be 0): with u = 1 + x rounded, log(u) * x / (u - 1) corrects for the rounding of u
+        (Goldberg, "What every computer scientist should know about floating-point", thm 4).
+        Needs only an accurate tl.log, so it is the same under the interpreter and on the GPU
+        (no libdevice). u == 1: log1p(x) = x to working precision; x = +inf: inf."""
+        x = a[0]
+        u = self._bind(f"1.0 + {x}")
+        d = self._bind(f"{u} - 1.0")
+        ratio = self._bind(f"{x} / tl.where({d} == 0.0, 1.0, {d})")
+        value = self._bind(f"tl.where({d} == 0.0, {x}, tl.log({u}) * {ratio})")
+        return f"tl.where({x} == float(\"inf\"), {x}, {value})"
+
+    def _op_expm1(self, e, a, out_c):
+        """exp(x) - 1 accurate near 0 (tl.exp(x) - 1.0 gives expm1(1e-8) = 0): Kahan's
+        (u - 1) * x / log(u) with u = exp(x) — the error of u cancels in the ratio. u == 1:
+        x; u == 0 (x very negative): -1; u == inf (x large, or +inf): inf. Needs only tl.exp and
+        tl.log (no libdevice)."""
+        x = a[0]
+        u = self._bind(f"tl.exp({x})")
+        d = self._bind(f"{u} - 1.0")
+        ok = self._bind(f"({d} != 0.0) & ({d} != -1.0) & ({u} != float(\"inf\"))")
+        lg = self._bind(f"tl.log(tl.where({ok}, {u}, 2.0))")
+        return f"tl.where({ok}, {d} * ({x} / {lg}), tl.where({d} == 0.0, {x}, {d}))"
+
+    def _op_floordiv(self, e, a, out_c):
+        """a // b rounded toward -inf (torch floor_divide). Triton's integer `//` truncates
+        toward 0 (C, like `%`), so a non-zero remainder whose sign differs from b's steps the
+        quotient down. Exact for all integers (no float round trip). Index arithmetic (a
+        provably non-negative dividend over a positive constant) is the plain `//`."""
+        if out_c.startswith("float"):
+            return self._float_floordiv(a[0], a[1])
+        if _positive_const(e.args[1]) and _non_negative(e.args[0]):
+            return f"{a[0]} // {a[1]}"
+        q = self._bind(f"{a[0]} // {a[1]}")
+        r = self._bind(f"{a[0]} - {q} * {a[1]}")
+        if _positive_const(e.args[1]):   # one test
+            return f"tl.where({r} < 0, {q} - 1, {q})"
+        return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {q} - 1, {q})"
+
+    def _float_floordiv(self, a: str, b: str) -> str:
+        """ATen's div_floor for floats: from the C remainder, not floor(a / b), which rounds
+        -tiny / huge to -0 where the floor is -1. A zero quotient keeps the sign of a / b;
+        b = 0 gives a / b (±inf or NaN)."""
+        mod = self._bind(f"{a} % {b}")
+        div = self._bind(f"({a} - {mod}) / {b}")
+        div = self._bind(f"tl.where(({mod} != 0.0) & (({b} < 0.0) != ({mod} < 0.0)), "
+                         f"{div} - 1.0, {div})")
+        fl = self._bind(f"tl.floor({div})")
+        fl = self._bind(f"tl.where({div} - {fl} > 0.5, {fl} + 1.0, {fl})")
+        q = self._bind(f"{a} / {b}")
+        res = self._bind(f"tl.where({div} == 0.0, {q} * 0.0, {fl})")
+        return f"tl.where({b} == 0.0, {q}, {res})"
+
+    def _op_truncdiv(self, e, a, out_c):
+        """a / b rounded toward 0 (torch div(rounding_mode="trunc")): Triton's integer `//`."""
+        if out_c.startswith("float"):
+            q = self._bind(f"{a[0]} / {a[1]}")
+            return f"tl.where({q} < 0, tl.ceil({q}), tl.floor({q}))"
+        return f"{a[0]} // {a[1]}"
+
+    def _op_remainder(self, e, a, out_c):
+        """Python-style remainder (the sign of b; torch.remainder), as ATen computes it: the
+        C-style `%` (fmod: exact for integers, and for floats where a / b is large, where
+        a - floor(a / b) * b is 0), moved by b when its sign differs from b's."""
+        r = self._bind(f"{a[0]} % {a[1]}")
+        zero = "0.0" if out_c.startswith("float") else "0"
+        return (f"tl.where(({r} != {zero}) & (({r} < {zero}) != ({a[1]} < {zero})), "
+                f"{r} + {a[1]}, {r})")
+
+    def _op_pow(self, e, a, out_c):
+        if not out_c.startswith("float"):
+            if len(a) == 1:
+                return self._ipow_const(a[0], e.param)
+            return self._ipow(a[0], a[1], out_c)
+        if len(a) == 1:
+            return self._pow_const(a[0], e.param)
+        return self._pow(a[0], a[1])
+
+    def _pow(self, x: str, y: str) -> str:
+        """x ** y for float tensors, with torch's (C pow's) special cases: exp(y * log|x|) gives
+        the magnitude; a negative base takes the sign of (-1)^y when y is an integer and is NaN
+        otherwise (exp(y * log(x)) alone is NaN for every negative base) except for -inf, whose
+        magnitude it takes; x ** 0 = 1 and 1 ** y = 1 even for NaN; (-1) ** ±inf = 1;
+        0 ** y = 0 / inf for y > 0 / y < 0."""
+        mag = self._bind(f"tl.exp({y} * tl.log(tl.abs({x})))")
+        integral = self._bind(f"tl.floor({y}) == {y}")
+        odd = self._bind(f"({y} - 2.0 * tl.floor({y} * 0.5)) == 1.0")
+        fraction = self._bind(f"tl.where({x} == -float(\"inf\"), {mag}, float(\"nan\"))")
+        # -0.0 to an odd integer power keeps its sign ((-0) ** -1 = -inf, as torch); to any
+        # other power it is +0 or +inf
+        neg_zero = self._bind(f"tl.where({x} == 0.0, (1.0 / tl.where({x} == 0.0, {x}, 1.0)) < 0, "
+                              f"{x} < 0)")
+        zero_sign = self._bind(f"tl.where({neg_zero}, tl.where({integral}, tl.where({odd}, "
+                               f"-{mag}, {mag}), {mag}), {mag})")
+        signed = self._bind(f"tl.where({x} < 0, tl.where({integral}, tl.where({odd}, -{mag}, "
+                            f"{mag}), {fraction}), {zero_sign})")
+        # nested wheres, not `|`: x or y may be a scalar (2.0 ** t), and Triton's interpreter
+        # cannot `|` a scalar bool with a block
+        value = self._bind(f"tl.where(({y} == 0.0), 1.0, tl.where({x} == 1.0, 1.0, {signed}))")
+        return f"tl.where({x} == -1.0, tl.where(tl.abs({y}) == float(\"inf\"), 1.0, {value}), {value})"
+
+    def _pow_const(self, x: str, p: float) -> str:
+        """x ** p for a float tensor and a constant p: square-and-multiply for an integer p
+        (exact signs for negative bases, and more accurate than exp/log), sqrt / rsqrt for ±0.5,
+        exp(p * log|x|) with the sign of (-1)^p (integer p) or NaN for negative bases otherwise."""
+        if p != p:
+            return f"tl.where({x} == 1.0, 1.0, float(\"nan\"))"   # torch: 1 ** nan = 1, else nan
+        if p == 0:
+            return f"tl.where({x} == {x}, 1.0, 1.0)"   # 1 everywhere, even NaN and inf
+        if p in (0.5, -0.5):
+            return f"tl.sqrt({x})" if p > 0 else f"tl.rsqrt({x})"
+        if abs(p) != float("inf") and p == int(p) and abs(p) <= 1024:
+            power = self._square_multiply(x, int(abs(p)))
+            return power if p > 0 else f"1.0 / {power}"
+        mag = self._bind(f"tl.exp({_literal(p, 'float32')} * tl.log(tl.abs({x})))")
+        if abs(p) == float("inf"):   # (-x) ** ±inf = x ** ±inf, and (±1) ** ±inf = 1
+            return f"tl.where(tl.abs({x}) == 1.0, 1.0, {mag})"
+        if p != int(p):   # a negative base has no real power, but -inf has inf ** p
+            return (f"tl.where({x} < 0, tl.where({x} == -float(\"inf\"), {mag}, float(\"nan\")), "
+                    f"{mag})")
+        return f"tl.where({x} < 0, -{mag}, {mag})" if int(p) % 2 else mag
+
+    def _square_multiply(self, x: str, n: int) -> str:
+        """x ** n (n >= 1) by binary exponentiation: about 2·log2(n) multiplications."""
+        result, base = None, x
+        while True:
+            if n & 1:
+                result = base if result is None else self._bind(f"{result} * {base}")
+            n >>= 1
+            if not n:
+                return result
+            base = self._bind(f"{base} * {base}")
+
+    def _ipow_const(self, x: str, p) -> str:
+        """An integer tensor to a constant integer power: exact (wrapping like torch on
+        overflow). A negative power is 1 / x ** -p truncated: 1, ±1 or 0."""
+        p = int(p)
+        if p == 0:
+            return f"{x} * 0 + 1"
+        if p > 0:
+            return self._square_multiply(x, p)
+        odd = "-1" if p % 2 else "1"
+        return f"tl.where({x} == 1, 1, tl.where({x} == -1, {odd}, 0)) + {x} * 0"
+
+    def _ipow(self, x: str, y: str, out_c: str) -> str:
+        """Integer x ** y for tensors, exactly: square-and-multiply over every bit of y in a loop
+        (64 steps for int64; the float route exp(y log x) is wrong past 2^24 and for negative
+        bases). A negative y gives 1 / x ** -y truncated, as torch: 1 for x = 1, ±1 for x = -1,
+        else 0."""
+        w = self.w
+        bits = {"int64": 64, "int32": 32, "int16": 16}.get(out_c, 8)
+        base = self._bind(f"{x} + {y} * 0")
+        exp_ = self._bind(f"tl.maximum({y} + {x} * 0, 0)")
+        acc = self._bind(f"{base} * 0 + 1")
+        k = w.var("k")
+        w.emit(f"for {k} in range({bits}):")
+        w.indent += 1
+        w.emit(f"{acc} = tl.where(({exp_} & 1) != 0, {acc} * {base}, {acc})")
+        w.emit(f"{base} = {base} * {base}")
+        w.emit(f"{exp_} = {exp_} >> 1")
+        w.indent -= 1
+        odd = f"(({y} & 1) != 0)"
+        neg = f"tl.where({x} == 1, 1, tl.where({x} == -1, tl.where({odd}, -1, 1), 0))"
+        return f"tl.where({y} < 0, {neg}, {acc})"
 
     def _child_ctx(self, key, ctx: Ctx, shape, dims, linear=None, mask=None) -> Ctx:
         if key not in ctx.children:
@@ -441,7 +642,7 @@ def _cast(v: str, src: str, dst: str) -> str:
 # Pointwise ops as code templates over the argument variables {0}, {1}, {2}.
 OP_TEMPLATES = {
     "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
-    "floordiv": "{0} // {1}", "fmod": "{0} % {1}", "neg": "-{0}",
+    "fmod": "{0} % {1}", "neg": "-{0}",
     "and": "{0} & {1}", "or": "{0} | {1}", "xor": "{0} ^ {1}",
     "eq": "{0} == {1}", "ne": "{0} != {1}", "lt": "{0} < {1}", "le": "{0} <= {1}",
     "gt": "{0} > {1}", "ge": "{0} >= {1}",
@@ -451,8 +652,7 @@ OP_TEMPLATES = {
     "reciprocal": "1.0 / {0}", "relu": "tl.maximum({0}, 0)",
     "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
     "where": "tl.where({0}, {1}, {2})", "silu": "{0} * tl.sigmoid({0})",
-    "log1p": "tl.log(1.0 + {0})", "expm1": "tl.exp({0}) - 1.0", "isnan": "{0} != {0}",
-    "trunc": "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))", "round": "tl.floor({0} + 0.5)",
+    "isnan": "{0} != {0}", "trunc": "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))",
 }
 
 
@@ -479,14 +679,6 @@ def _op_code(e: Op, a: list[str], out_c: str, arg_c: list[str]) -> str:
     if op == "sign":
         t = TL_TYPE[out_c]
         return f"({a[0]} > 0).to({t}) - ({a[0]} < 0).to({t})"
-    if op == "remainder":
-        if out_c.startswith("float"):
-            return f"{a[0]} - tl.floor({a[0]} / {a[1]}) * {a[1]}"
-        return f"(({a[0]} % {a[1]}) + {a[1]}) % {a[1]}"
-    if op == "pow":
-        if len(a) == 1:
-            return _pow_const(a[0], e.param)
-        return f"tl.exp({a[1]} * tl.log({a[0]}))"
     raise NotImplementedError(f"no code for pointwise op {op!r}")
 
 
@@ -498,14 +690,17 @@ def _tanh(x: str) -> str:
     return f"tl.where(tl.abs({x}) < 0.3, {series}, {big})"
 
 
-def _pow_const(x: str, p: float) -> str:
-    if p == int(p) and 0 <= p <= 8:
-        n = int(p)
-        return "1.0 + 0.0 * " + x if n == 0 else " * ".join([f"({x})"] * n)
-    if p == int(p) and -8 <= p < 0:
-        return "1.0 / (" + " * ".join([f"({x})"] * int(-p)) + ")"
-    if p == 0.5:
-        return f"tl.sqrt({x})"
-    if p == -0.5:
-        return f"tl.rsqrt({x})"
-    return f"tl.exp({p!r} * tl.log({x}))"
+def _non_negative(expr) -> bool:
+    """Provably >= 0: an index, a non-negative constant, or sums, products and quotients of
+    those (the arithmetic of views and gathers)."""
+    if isinstance(expr, Index):
+        return True
+    if isinstance(expr, Const):
+        return not isinstance(expr.value, bool) and expr.value >= 0
+    if isinstance(expr, Op) and expr.op in ("add", "mul", "floordiv", "cast"):
+        return all(_non_negative(a) for a in expr.args)
+    return False
+
+
+def _positive_const(expr) -> bool:
+    return isinstance(expr, Const) and not isinstance(expr.value, bool) and expr.value > 0

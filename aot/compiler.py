@@ -140,7 +140,7 @@ def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict) -> pack
     lowered = lower.lower(core, name, options.recorded(), bucket)
     if options.generate:
         generation.add_state(lowered, dict(options.generate))
-    kernels = fuse.fuse_epilogues(lowered.kernels)
+    kernels = memplan.drop_empty(fuse.fuse_epilogues(lowered.kernels))
     plan = memplan.plan_memory(kernels, lowered.weights, lowered.state)
     memplan.check_plan(plan)
     sources = []

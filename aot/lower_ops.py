@@ -14,8 +14,8 @@ import torch
 
 from . import shapes, views
 from .codegen import gemm_plan
-from .ir import (EXTENTS, Acc, Buffer, Const, DimMap, Index, Kernel, Load, Op, Reindex, SymValue,
-                 loads, numel)
+from .ir import (EXTENTS, FLOATS, Acc, Buffer, Const, DimMap, Index, Kernel, Load, Op, Reindex,
+                 SymValue, compute_dtype, loads, numel)
 from .lower import LoweringError, as_operand, dtype_name, handles
 from .shapes import sym_expr
 from .views import TV
@@ -85,13 +85,20 @@ def _add_sub(L, node, a, b, alpha=1):
 
 @handles(aten.div.Tensor_mode)
 def _div_mode(L, node, a, b, rounding_mode=None):
+    """torch.div with rounding_mode. Integer operands (an integer result) divide exactly in
+    integer arithmetic — a float32 round trip is wrong past 2^24 (100000001 // 3) — with floor
+    (toward -inf) or trunc (toward 0) semantics; floats divide in their own precision."""
     shape, dtype = L.out_meta(node)
-    q = Op("div", [as_operand(a, shape, "float32"), as_operand(b, shape, "float32")], "float32")
-    if rounding_mode == "floor":
-        q = Op("floor", [q], "float32")
-    elif rounding_mode == "trunc":
-        q = Op("trunc", [q], "float32")
-    return TV(Op("cast", [q], dtype), shape)
+    if rounding_mode is None:
+        return _pointwise(L, node, "div", a, b)
+    if rounding_mode not in ("floor", "trunc"):
+        raise LoweringError(f"div with rounding_mode={rounding_mode!r} is not supported")
+    if dtype not in FLOATS or rounding_mode == "floor":
+        # floats floor-divide as ATen's div_floor does (codegen_expr `floordiv`): floor(a / b)
+        # would round -tiny / huge to -0 where the floor is -1
+        return _pointwise(L, node, "floordiv" if rounding_mode == "floor" else "truncdiv", a, b)
+    q = Op("div", [as_operand(a, shape, dtype), as_operand(b, shape, dtype)], dtype)
+    return TV(Op(rounding_mode, [q], dtype), shape)
 
 
 @handles(aten.logical_not.default, aten.bitwise_not.default)
@@ -114,6 +121,21 @@ def _pow_scalar(L, node, x, exponent):
 @handles(aten.pow.Tensor_Tensor, aten.pow.Scalar)
 def _pow(L, node, a, b):
     return _pointwise(L, node, "pow", a, b)
+
+
+@handles(aten.round.decimals)
+def _round_decimals(L, node, x, decimals=0):
+    """torch.round(x, decimals=d) as ATen computes it, in the value's own precision:
+    round(x * 10^d) / 10^d, or round(x / 10^-d) * 10^-d for d < 0 (half to even)."""
+    shape, dtype = L.out_meta(node)
+    cdt = compute_dtype(dtype)
+    e = as_operand(x, shape, dtype)
+    if decimals == 0 or dtype not in FLOATS:
+        return TV(Op("round", [e], dtype), shape)
+    scale = Const(float(10 ** abs(decimals)), cdt)
+    inner, outer = ("mul", "div") if decimals > 0 else ("div", "mul")
+    scaled = Op("round", [Op(inner, [e, scale], cdt)], cdt)
+    return TV(Op(outer, [scaled, scale], dtype), shape)
 
 
 @handles(aten.gelu.default)
@@ -213,6 +235,8 @@ def _permute(L, node, x, dims):
 @handles(aten.transpose.int)
 def _transpose(L, node, x, d0, d1):
     dims = list(range(len(x.shape)))
+    if not dims:   # a 0-d tensor: transpose(0, -1) is the tensor itself
+        return x
     d0, d1 = d0 % len(dims), d1 % len(dims)
     dims[d0], dims[d1] = dims[d1], dims[d0]
     return views.permute(x, dims)
@@ -358,13 +382,16 @@ def _embedding(L, node, weight, indices, padding_idx=-1, *rest):
 def _compact(L, node, mask: TV) -> TV:
     """The row-major indices of mask's nonzero elements, [count, ndim] int64: one kernel writes
     them at the front of a buffer sized for the worst case and writes `count` into the extents
-    table, so consumers read the size on the device — no host round trip."""
-    if not mask.shape:
-        raise LoweringError("nonzero of a 0-d tensor is not supported")
+    table, so consumers read the size on the device — no host round trip. A 0-d mask is one
+    element with no coordinates: [count, 0], count 0 or 1 (the buffer holds no bytes)."""
     if any(e is not None and len(e) > 1 for e in mask.exts()):
         raise LoweringError("nonzero over a dimension that merges dynamic dimensions is not "
                             "supported (its bucket positions are not the true positions)")
     bound = numel(mask.shape)
+    if bound == 0:   # an empty mask: torch.export knows the result is [0, ndim] (no symbol)
+        shape, _ = L.out_meta(node)
+        if numel(shape) == 0:
+            return TV(Const(0, "int64"), shape)
     sym = L.data_symbol(node, bound)
     nd = len(mask.shape)
     buf = L.new_buffer((bound, nd), "int64")
@@ -388,10 +415,11 @@ def _item(L, node, x):
     if expr is None or x.dtype not in ("int64", "int32", "int16", "int8", "uint8", "bool"):
         raise LoweringError(".item() is only supported as an integer size")
     rng = L.program.range_constraints.get(expr)
-    if rng is None or not rng.upper.is_finite:
+    hi = shapes.range_bound(rng.upper) if rng is not None else None
+    if hi is None:
         raise LoweringError(f"the size {expr} taken from a tensor has no upper bound: add "
                             "torch._check(n <= LIMIT) in the model")
-    lo, hi = int(rng.lower) if rng.lower.is_finite else 0, int(rng.upper)
+    lo = max(shapes.range_bound(rng.lower) or 0, 0)
     sym = L.data_symbol(node, hi)
     if x.shape:
         x = views.view(x, ())
@@ -460,6 +488,8 @@ def _select_by_mask(L, node, x: TV, k: int, masks) -> TV:
 
 @handles(aten.index_select.default)
 def _index_select(L, node, x, dim, index):
+    if not x.shape:   # a 0-d x: the only valid index is 0 (dim 0 / -1), the result is x
+        return TV(x.expr, ())
     indices = [None] * len(x.shape)
     indices[dim % len(x.shape)] = index
     return _index(L, node, x, indices)
@@ -468,6 +498,8 @@ def _index_select(L, node, x, dim, index):
 @handles(aten.gather.default)
 def _gather(L, node, x, dim, index, sparse_grad=False):
     shape, _ = L.out_meta(node)
+    if not x.shape:   # a 0-d x: the only valid index is 0, so the result is x at index's shape
+        return views.expand(x, shape) if shape else x
     dim %= len(x.shape)
     maps = [DimMap("dim", d) for d in range(len(x.shape))]
     maps[dim] = DimMap("expr", expr=_index_expr(index, x, dim))
@@ -497,7 +529,10 @@ def _reduce(L, x: TV, dims, op: str, keepdim: bool, out_dtype: str, divisor=None
         acc_dtype = "int64"
     epilogue = Acc(acc_dtype)
     if isinstance(divisor, int):
-        epilogue = Op("mul", [epilogue, Const(1.0 / max(divisor, 1), acc_dtype)], acc_dtype)
+        # an empty reduction (mean of nothing, var with no degree of freedom) divides by 0 like
+        # torch: sum * inf is nan for a zero sum, inf for a positive one
+        scale = 1.0 / divisor if divisor > 0 else float("inf")
+        epilogue = Op("mul", [epilogue, Const(scale, acc_dtype)], acc_dtype)
     elif divisor is not None:
         count = Op("cast", [SymValue(divisor)], acc_dtype)
         epilogue = Op("div", [epilogue, count], acc_dtype)
@@ -521,6 +556,15 @@ def _dims_arg(dims):
     return [dims] if isinstance(dims, int) else list(dims)
 
 
+def _reduced_dims(x: TV, dims) -> list[int]:
+    """The dimensions a reduction over `dims` (None or empty: all) covers, normalised. A 0-d
+    tensor accepts dim 0 / -1 (torch treats it as one element) and reduces over nothing."""
+    nd = len(x.shape)
+    if not nd:
+        return []
+    return sorted({d % nd for d in dims}) if dims else list(range(nd))
+
+
 @handles(aten.sum.dim_IntList, aten.sum.default)
 def _sum(L, node, x, dims=None, keepdim=False, dtype=None):
     shape, out_dtype = L.out_meta(node)
@@ -531,7 +575,7 @@ def _sum(L, node, x, dims=None, keepdim=False, dtype=None):
 def _mean(L, node, x, dims=None, keepdim=False, dtype=None):
     shape, out_dtype = L.out_meta(node)
     dims = _dims_arg(dims)
-    count = _count(x, [d % len(x.shape) for d in dims] if dims else range(len(x.shape)))
+    count = _count(x, _reduced_dims(x, dims))
     return _reduce(L, x, dims, "sum", keepdim, out_dtype, divisor=count)
 
 
@@ -550,16 +594,14 @@ def _any(L, node, x, dims=None, keepdim=False):
 
 @handles(aten.var.correction, aten.var_mean.correction)
 def _var(L, node, x, dims=None, correction=None, keepdim=False):
-    dims = _dims_arg(dims)
-    nd = len(x.shape)
-    rd = sorted({d % nd for d in dims}) if dims else list(range(nd))
+    rd = _reduced_dims(x, _dims_arg(dims))
     count = _count(x, rd)
     correction = 1 if correction is None else correction
     dtype = x.dtype
     mean = _reduce(L, x, rd, "sum", True, dtype, divisor=count)
     diff = Op("sub", [x.expr, views.expand(mean, x.shape).expr], dtype)
     sq = TV(Op("mul", [diff, diff], dtype), x.shape, x.ext)
-    dof = max(count - correction, 1) if isinstance(count, int) else sympy.Max(count - correction, 1)
+    dof = max(count - correction, 0) if isinstance(count, int) else sympy.Max(count - correction, 1)
     var = _reduce(L, sq, rd, "sum", keepdim, dtype, divisor=dof)
     if node.target == aten.var_mean.correction:
         return var, (mean if keepdim else views.squeeze(mean, rd))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import Buffer, Kernel
+from .ir import Buffer, Kernel, numel
 
 ALIGN = 256
 DATA_SIZE_FAMILIES = ("compact", "to_extent")   # kernels that write a size into the extents
@@ -39,6 +39,16 @@ class MemoryPlan:
     state: dict = None                 # id(buffer) -> offset in the state region
 
 
+def drop_empty(kernels: list[Kernel]) -> list[Kernel]:
+    """The kernels that have something to do. One whose index space holds no element (an output
+    or intermediate with a 0 dimension: linspace with 0 points, a 0-size split part, a scatter
+    of nothing) would launch a grid of 0 programs, which CUDA (and the package format) refuse;
+    it writes nothing, so it is dropped. Kernels that write a size into the extents (nonzero of
+    an empty tensor still writes count 0) always run. A dropped kernel's buffer holds no bytes,
+    so whatever still reads it reads nothing (plan_memory gives it no memory)."""
+    return [k for k in kernels if numel(k.out_shape) > 0 or k.family in DATA_SIZE_FAMILIES]
+
+
 def plan_memory(kernels: list[Kernel], weights: list[Buffer],
                 state: list[Buffer] = ()) -> MemoryPlan:
     first: dict[int, int] = {}
@@ -51,12 +61,21 @@ def plan_memory(kernels: list[Kernel], weights: list[Buffer],
             bufs[id(k.out)] = k.out
         for b in k.reads():
             if b.kind == "arena":
+                if id(b) not in first:   # read before (or without) being written
+                    if b.nbytes:
+                        raise AssertionError(f"memory plan: {b.name} is read by kernel {i} "
+                                             "before any kernel writes it")
+                    first[id(b)] = i     # empty: its writer was dropped (drop_empty)
+                    bufs[id(b)] = b
                 last[id(b)] = i
     order = sorted(bufs, key=lambda key: (-bufs[key].nbytes, first[key]))
     placed: list[Placement] = []
     for key in order:
         buf = bufs[key]
-        size = align(max(buf.nbytes, 1))
+        if not buf.nbytes:   # no bytes to hold: a zero-length range that overlaps nothing
+            placed.append(Placement(buf, 0, 0, first[key], last[key]))
+            continue
+        size = align(buf.nbytes)
         busy = sorted((p.offset, p.offset + p.nbytes) for p in placed
                       if not (p.last < first[key] or last[key] < p.first))
         offset = 0

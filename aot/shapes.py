@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 
 class ShapeError(ValueError):
@@ -47,6 +48,18 @@ def sym_expr(value) -> sympy.Expr | None:
         expr = value.node.expr
         return None if expr.is_number else expr
     return None
+
+
+def range_bound(value) -> int | None:
+    """One end of a torch.export value range as an int, or None when that end is unbounded.
+
+    torch's ranges use its own `int_oo` / `-int_oo` (torch.utils._sympy.numbers) for "no bound",
+    and those claim `is_finite`, so testing `is_finite` alone lets an infinity reach `int()`
+    (sympy then fails with "'Infinity' object has no attribute '_mpf_'")."""
+    value = sympy.sympify(value)
+    if not value.is_Integer:   # oo, -oo, int_oo, -int_oo (and anything else not a plain integer)
+        return None
+    return int(value)
 
 
 def is_static_size(true) -> bool:
@@ -159,8 +172,8 @@ def find_symbols(program, dim_names: dict | None = None) -> list[Symbol]:
     symbols = []
     for expr, uses in found.items():
         rng = ranges.get(expr)
-        lo = int(rng.lower) if rng is not None and rng.lower.is_finite else 0
-        hi = int(rng.upper) if rng is not None and rng.upper.is_finite else None
+        lo = (range_bound(rng.lower) if rng is not None else None) or 0
+        hi = range_bound(rng.upper) if rng is not None else None
         i, d, input_name = uses[0]
         name = (dim_names or {}).get((input_name, d)) or f"{input_name}.{d}"
         if hi is None:
@@ -180,8 +193,12 @@ def find_data_symbols(program, inputs: list[Symbol]) -> list[Symbol]:
     for expr, rng in sorted(program.range_constraints.items(), key=natural):
         if expr in known or not isinstance(expr, sympy.Symbol):
             continue
-        lo = int(rng.lower) if rng.lower.is_finite else 0
-        hi = int(rng.upper) if rng.upper.is_finite else None
+        if not free_unbacked_symbols(expr):
+            # a backed symbol that sizes no input (decompositions can leave one behind, e.g.
+            # max_unpool's): nothing computes it and nothing reads it
+            continue
+        lo = max(range_bound(rng.lower) or 0, 0)
+        hi = range_bound(rng.upper)
         out.append(Symbol(str(expr), expr, lo, hi, (), "data"))
     return out
 
