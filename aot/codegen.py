@@ -167,7 +167,7 @@ def scatter(kernel: Kernel, w: Writer):
         if shape[d] != 1:
             terms.append(f"{c}.to(tl.int64) * {strides[d]}")
     masks = ([] if ctx.mask == "None" else [f"({ctx.mask})"]) + bounds
-    addr = " + ".join(terms) or "0"
+    addr = " + ".join(terms) or "zero"   # a block even when every dimension has size 1
     store_mask = f", mask=tl.broadcast_to({' & '.join(masks)}, [{block}])" if masks else ""
     w.emit(f"tl.store({w.ptr(kernel.out)} + tl.broadcast_to({addr}, [{block}]), "
            f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[kernel.out.dtype]}){store_mask})")
@@ -259,12 +259,14 @@ def softmax(kernel: Kernel, w: Writer):
     shape = kernel.out_shape
     rows, cols, br, bn = _row_setup(kernel, w, shape)
     src = kernel.inputs["src"]
-    w.emit(f"m = tl.full([{br}, 1], -float(\"inf\"), tl.float32)")
-    w.emit(f"s = tl.zeros([{br}, 1], tl.float32)")
+    # fp64 softmax computes in fp64 (torch's softmax(dtype=float64)); everything else in fp32
+    acc = "tl.float64" if kernel.out.dtype == "float64" else "tl.float32"
+    w.emit(f"m = tl.full([{br}, 1], -float(\"inf\"), {acc})")
+    w.emit(f"s = tl.zeros([{br}, 1], {acc})")
     col_entry = kernel.ext[-1] if kernel.ext else None
     _row_loop(w, cols, bn, col_entry)
     x = ExprEmitter(w).value(src, _row_ctx(w, shape, cols))
-    w.emit(f"x = tl.where(mask, {x}.to(tl.float32), -float(\"inf\"))")
+    w.emit(f"x = tl.where(mask, {x}.to({acc}), -float(\"inf\"))")
     w.emit("m_new = tl.maximum(m, tl.max(x, axis=1)[:, None])")
     w.emit("m_safe = tl.where(m_new == -float(\"inf\"), 0.0, m_new)")
     w.emit("s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=1)[:, None]")
@@ -274,9 +276,9 @@ def softmax(kernel: Kernel, w: Writer):
     ctx = _row_ctx(w, shape, cols)
     x = ExprEmitter(w).value(src, ctx)
     if kernel.inputs["log"]:
-        w.emit(f"y = {x}.to(tl.float32) - m - tl.log(s)")
+        w.emit(f"y = {x}.to({acc}) - m - tl.log(s)")
     else:
-        w.emit(f"y = tl.exp({x}.to(tl.float32) - m) / s")
+        w.emit(f"y = tl.exp({x}.to({acc}) - m) / s")
     value = ExprEmitter(w, acc="y").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{br}, {bn}]")
     w.indent -= 1

@@ -618,7 +618,8 @@ def _softmax(L, node, x, dim, half_to_float=False):
     perm = [d for d in range(nd) if d != dim] + [dim]
     src = views.permute(x, perm)
     buf = L.new_buffer(src.shape, dtype)
-    out = L.emit(Kernel("softmax", buf, src.shape, Acc("float32"),
+    acc = "float64" if dtype == "float64" else "float32"
+    out = L.emit(Kernel("softmax", buf, src.shape, Acc(acc),
                         {"src": src.expr, "log": node.target == aten._log_softmax.default},
                         ext=src.ext))
     inverse = [perm.index(d) for d in range(nd)]

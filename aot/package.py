@@ -68,7 +68,10 @@ def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict) -> dic
 
 def weight_view(tensor: torch.Tensor):
     """The tensor's bytes as a numpy view (no copy; it keeps the tensor alive) for a TensorBlob."""
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    flat = tensor.contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:   # torch calls a stride-0 [1] contiguous
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy()
 
 
 def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: dict,
