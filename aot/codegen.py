@@ -38,8 +38,9 @@ class KernelSource:
 
 def stored_params(text: str) -> list[int]:
     """The parameters a generated kernel stores through: every store starts `tl.store(p<i> ...`
-    (the Writer names parameter i's pointer p<i>), which is what the race checker needs to know."""
-    return sorted({int(i) for i in re.findall(r"tl\.store\(p(\d+)\b", text)})
+    (the Writer names parameter i's pointer p<i>), or `tl.atomic_<op>(p<i> ...` for an
+    accumulating scatter: what the race checker needs to know."""
+    return sorted({int(i) for i in re.findall(r"tl\.(?:store|atomic_\w+)\(p(\d+)\b", text)})
 
 
 def next_pow2(n: int) -> int:
@@ -169,7 +170,11 @@ def scatter(kernel: Kernel, w: Writer):
     masks = ([] if ctx.mask == "None" else [f"({ctx.mask})"]) + bounds
     addr = " + ".join(terms) or "zero"   # a block even when every dimension has size 1
     store_mask = f", mask=tl.broadcast_to({' & '.join(masks)}, [{block}])" if masks else ""
-    w.emit(f"tl.store({w.ptr(kernel.out)} + tl.broadcast_to({addr}, [{block}]), "
+    # accumulate: index_put(accumulate=True), scatter_add, scatter_reduce sum/amax/amin —
+    # duplicate destinations combine atomically (float sums in an unspecified order)
+    store = {None: "tl.store", "add": "tl.atomic_add", "max": "tl.atomic_max",
+             "min": "tl.atomic_min"}[kernel.inputs.get("accumulate")]
+    w.emit(f"{store}({w.ptr(kernel.out)} + tl.broadcast_to({addr}, [{block}]), "
            f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[kernel.out.dtype]}){store_mask})")
     return _flat_launch(kernel, block)
 

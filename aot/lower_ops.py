@@ -354,25 +354,33 @@ def _ignore(L, node, *args, **kwargs):
 
 
 # ---- gathers ---------------------------------------------------------------------------------
-def _index_expr(idx: TV, x: TV, dim: int) -> object:
+def _index_expr(idx: TV, x: TV, dim: int, L=None, node=None) -> object:
     """An index tensor's value with negative indices wrapped by the true size of x's `dim`
     (torch semantics). Gathering along a dimension that merges dynamic ones is refused: its
-    bucket layout does not put true position i at index i."""
+    bucket layout does not put true position i at index i.
+
+    With the lowering `L` and the gather's `node`, the index is also checked (L.check_index):
+    clamped into the table, an out-of-range one reported through the error word. The scatter
+    of a KV-cache update passes neither: it skips out-of-range destinations instead."""
     entry = x.dim_ext(dim)
     if entry is not None and len(entry) > 1:
         raise LoweringError("indexing along a dimension that merges dynamic dimensions is not "
                             "supported (index it before the reshape)")
-    size = Const(x.shape[dim], "int64") if entry is None else SymValue(shapes.true_size(entry, 0))
+    true = x.shape[dim] if entry is None else shapes.true_size(entry, 0)
+    size = Const(true, "int64") if entry is None else SymValue(true)
     e = idx.expr if idx.dtype == "int64" else Op("cast", [idx.expr], "int64")
     neg = Op("lt", [e, Const(0, "int64")], "bool")
-    return Op("where", [neg, Op("add", [e, size], "int64"), e], "int64")
+    wrapped = Op("where", [neg, Op("add", [e, size], "int64"), e], "int64")
+    if L is None:
+        return wrapped
+    return L.check_index(node, wrapped, idx.expr, size, int(true) if entry is None else true)
 
 
 @handles(aten.embedding.default)
 def _embedding(L, node, weight, indices, padding_idx=-1, *rest):
     shape, _ = L.out_meta(node)
     n = len(indices.shape)
-    idx = TV(_index_expr(indices, weight, 0), indices.shape)
+    idx = TV(_index_expr(indices, weight, 0, L, node), indices.shape)
     idx_in_out = views.remap(idx.expr, [DimMap("dim", d) for d in range(n)], n + 1)
     maps = [DimMap("expr", expr=idx_in_out), DimMap("dim", n)]
     return TV(Reindex(weight.expr, maps), shape)
@@ -457,7 +465,7 @@ def _index(L, node, x, indices):
             maps.append(DimMap("dim", d))
         elif d < k + m:
             idx = views.expand(indices[d], bshape)
-            e = _index_expr(TV(idx.expr, bshape), x, d)
+            e = _index_expr(TV(idx.expr, bshape), x, d, L, node)
             e = views.remap(e, [DimMap("dim", k + j) for j in range(nb)], len(shape))
             maps.append(DimMap("expr", expr=e))
         else:
@@ -502,7 +510,7 @@ def _gather(L, node, x, dim, index, sparse_grad=False):
         return views.expand(x, shape) if shape else x
     dim %= len(x.shape)
     maps = [DimMap("dim", d) for d in range(len(x.shape))]
-    maps[dim] = DimMap("expr", expr=_index_expr(index, x, dim))
+    maps[dim] = DimMap("expr", expr=_index_expr(index, x, dim, L, node))
     return TV(Reindex(x.expr, maps), shape)
 
 
@@ -754,8 +762,6 @@ def _index_put(L, node, x, indices, values, accumulate=False):
     cache: `k_cache[:, :, input_pos] = k`), a scatter kernel stores `values` into it in place at
     the positions the index tensor holds on the device — no copy of the cache. Otherwise x is
     copied into a fresh buffer first, then scattered into."""
-    if accumulate:
-        raise LoweringError("index_put with accumulate=True is not supported")
     indices = list(indices) + [None] * (len(x.shape) - len(indices))
     dims = [d for d, i in enumerate(indices) if i is not None]
     if not dims or dims != list(range(dims[0], dims[0] + len(dims))):
@@ -767,7 +773,8 @@ def _index_put(L, node, x, indices, values, accumulate=False):
     if target is None:
         target = L.new_buffer(x.shape, x.dtype)
         L.realize(x, into=target)
-    _scatter(L, target, x, indices, dims, values)
+    _check_atomic("add" if accumulate else None, x.dtype)
+    _scatter(L, target, x, indices, dims, values, "add" if accumulate else None)
     return views.contiguous_load(target)
 
 
@@ -779,7 +786,7 @@ def _index_copy(L, node, x, dim, index, source):
     return _index_put(L, node, x, indices, source)
 
 
-def _scatter(L, target: Buffer, x: TV, indices, dims, values) -> None:
+def _scatter(L, target: Buffer, x: TV, indices, dims, values, accumulate=None) -> None:
     """Store `values` at x[indices] into `target` (laid out like x, contiguous). The kernel
     iterates over the index space of x[indices] — x's dims before the indexed ones, the broadcast
     index shape, then x's remaining dims — and computes each destination from the index values
@@ -808,7 +815,10 @@ def _scatter(L, target: Buffer, x: TV, indices, dims, values) -> None:
         for j, e in enumerate(iext[len(iext) - nb:] if iext else ()):
             if e is not None and ext[k + j] is None:
                 ext[k + j] = e
-    L.emit(Kernel("scatter", target, space, value, {"coords": tuple(coords)}, ext=tuple(ext)))
+    inputs = {"coords": tuple(coords)}
+    if accumulate:
+        inputs["accumulate"] = accumulate
+    L.emit(Kernel("scatter", target, space, value, inputs, ext=tuple(ext)))
 
 
 def _note_state_index(L, target: Buffer, index: TV, size: int) -> None:
@@ -819,3 +829,61 @@ def _note_state_index(L, target: Buffer, index: TV, size: int) -> None:
     for load in loads(index.expr):
         if load.buf.kind == "input":
             L.state_index_sizes.append((load.buf.name, int(size)))
+
+
+SCATTER_REDUCE = {"sum": "add", "add": "add", "amax": "max", "amin": "min"}
+# the dtypes Triton's atomics take on sm_90 (no fp16/bf16 max/min, no 8/16-bit integers)
+ATOMIC_DTYPES = {"add": ("float32", "float64", "float16", "bfloat16", "int32", "int64"),
+                 "max": ("float32", "float64", "int32", "int64"),
+                 "min": ("float32", "float64", "int32", "int64")}
+
+
+def _check_atomic(mode, dtype: str) -> None:
+    if mode is not None and dtype not in ATOMIC_DTYPES[mode]:
+        raise LoweringError(f"an accumulating scatter ({mode}) into {dtype} is not supported "
+                            f"(the device atomics take {', '.join(ATOMIC_DTYPES[mode])})")
+
+
+@handles(aten.scatter.src, aten.scatter.value, aten.scatter_add.default, aten.scatter.reduce,
+         aten.scatter.value_reduce, aten.scatter_reduce.two)
+def _scatter_along(L, node, x, dim, index, src, reduce=None, include_self=True):
+    """torch.scatter family: out = x with out[..., index[i], ...] = src[i] (or combined with it)
+    along `dim`, over the index tensor's own index space. Out-of-range destinations are not
+    written. Plain scatter with repeated destinations keeps one of the values, as on CUDA."""
+    mode = "add" if node.target == aten.scatter_add.default else None
+    if reduce is not None:
+        if reduce not in SCATTER_REDUCE:
+            raise LoweringError(f"scatter with reduce={reduce!r} is not supported (sum, amax, "
+                                "amin are)")
+        mode = SCATTER_REDUCE[reduce]
+    _check_atomic(mode, x.dtype)
+    nd = len(x.shape)
+    if nd == 0 or len(index.shape) != nd:
+        raise LoweringError("scatter of a 0-d tensor is not supported")
+    if x.ext is not None or index.ext is not None:
+        raise LoweringError("scatter over dynamic dimensions is not supported")
+    dim %= nd
+    target = L.new_buffer(x.shape, x.dtype)
+    L.realize(x, into=target)
+    space = tuple(index.shape)
+    idx = index.expr if index.dtype == "int64" else Op("cast", [index.expr], "int64")
+    coords = tuple(idx if d == dim else Index(d) for d in range(nd))
+    if isinstance(src, TV):
+        for d in range(nd):   # src may be larger than index: its leading corner is read
+            src = views.slice_(src, d, 0, space[d])
+        value = src.expr
+    else:
+        value = as_operand(src, space, x.dtype)
+    if value.dtype != x.dtype:
+        value = Op("cast", [value], x.dtype)
+    if not include_self:   # the destinations start from the reduction's identity
+        identity = {"add": 0, "max": float("-inf"), "min": float("inf")}[mode]
+        if not x.dtype.startswith(("float", "bfloat")) and mode != "add":
+            identity = -2**63 if mode == "max" else 2**63 - 1
+        L.emit(Kernel("scatter", target, space, as_operand(identity, space, x.dtype),
+                      {"coords": coords}))
+    inputs = {"coords": coords}
+    if mode:
+        inputs["accumulate"] = mode
+    L.emit(Kernel("scatter", target, space, value, inputs))
+    return views.contiguous_load(target)
