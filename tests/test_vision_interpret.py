@@ -240,3 +240,24 @@ def test_mobilenet_style_fp16(tmp_path):
     """Half precision: the folded weights are rounded once, the depthwise sums run in fp32."""
     check(_randomize_bn(TinyMobileNet()), lambda: (torch.randn(2, 3, 32, 30).half(),), tmp_path,
           tol=2e-2, dtype=torch.float16)
+
+
+class VisionEdges(nn.Module):
+    """Edge sizes: 1x1 maps, windows as large as the input, adaptive pooling to a larger size
+    (overlapping windows), upsampling from 1x1, size-1 flips, a zero repeat (empty output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(3, 4, 3, padding=1)
+        self.dw = nn.Conv2d(3, 3, 3, padding=1, groups=3)
+
+    def forward(self, x, y):
+        return (self.c(y), self.dw(y), F.max_pool2d(x, (2, 3)), F.avg_pool2d(x, (2, 3)),
+                F.adaptive_avg_pool2d(x, (3, 5)), F.adaptive_max_pool2d(x, (3, 4)),
+                F.interpolate(y, scale_factor=3, mode="nearest"),
+                F.interpolate(y, size=(2, 3), mode="bilinear"),
+                torch.flip(y, [0, 2, 3]), x.repeat(1, 0, 1, 1), x.unfold(3, 3, 1))
+
+
+def test_vision_ops_at_edge_sizes(tmp_path):
+    check_all(VisionEdges(), lambda: (torch.randn(1, 3, 2, 3), torch.randn(1, 3, 1, 1)), tmp_path)
