@@ -670,6 +670,12 @@ class Worker:
     def _start(self):
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
+        if _HIDDEN_GPUS:   # the driver hid the GPUs from itself, not from us
+            original = _HIDDEN_GPUS[0]
+            if original is None:
+                env.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                env["CUDA_VISIBLE_DEVICES"] = original
         cmd = [sys.executable, "-m", "grace.tools.op_sweep", "--worker", self.executor,
                "--device", str(self.device)]
         self.log = open(self.log_path, "a", encoding="utf-8")
@@ -1007,10 +1013,22 @@ def _globs(text):
     return [g.strip() for g in (text or "").split(",") if g.strip()]
 
 
+# (CUDA_VISIBLE_DEVICES as the driver found it, None if unset), when it hid the GPUs from itself
+_HIDDEN_GPUS: tuple = ()
+
+
 def main(argv=None) -> int:
+    global _HIDDEN_GPUS
     args = build_parser().parse_args(argv)
     if args.worker:
         return worker_main(args.worker, args.device)
+    if args.executor == "gpu" and args.compile_jobs > 1 and "torch" not in sys.modules:
+        # The driver compiles and computes references on the CPU. Were it to initialise CUDA
+        # (some OpInfo sample generators and Triton's driver query the device), every compile
+        # process forked afterwards would fail ("Cannot re-initialize CUDA in forked
+        # subprocess"); only the executor workers see the GPUs.
+        _HIDDEN_GPUS = (os.environ.get("CUDA_VISIBLE_DEVICES"),)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
     torch.set_num_threads(1)
