@@ -38,7 +38,7 @@ class KernelSource:
 
 def stored_params(text: str) -> list[int]:
     """The parameters a generated kernel stores through: every store starts `tl.store(p<i> ...`
-    (the Writer names parameter i's pointer p<i>), or `tl.atomic_<op>(p<i> ...` for an
+    (the Writer names parameter i's pointer p<i>), or an atomic (`tl.atomic_add(p<i> ...`) for an
     accumulating scatter: what the race checker needs to know."""
     return sorted({int(i) for i in re.findall(r"tl\.(?:store|atomic_\w+)\(p(\d+)\b", text)})
 

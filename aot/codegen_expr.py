@@ -13,8 +13,8 @@ import math
 
 import sympy
 
-from .ir import (EXTENTS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape, SymValue,
-                 compute_dtype, contiguous_strides, is_contiguous, numel)
+from .ir import (ERRORS, EXTENTS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape,
+                 SymValue, compute_dtype, contiguous_strides, is_contiguous, numel)
 from .shapes import is_static_size
 
 TL_TYPE = {
@@ -327,6 +327,8 @@ class ExprEmitter:
 
     def _op(self, e: Op, ctx: Ctx) -> str:
         w = self.w
+        if e.op == "check_index":
+            return self._check_index(e, ctx)
         out_c = compute_dtype(e.dtype)
         args = []
         for a in e.args:
@@ -347,6 +349,28 @@ class ExprEmitter:
             code = _op_code(e, args, out_c, [compute_dtype(a.dtype) for a in e.args])
         v = w.var()
         w.emit(f"{v} = {code}")
+        return v
+
+    def _check_index(self, e: Op, ctx: Ctx) -> str:
+        """A gather index (format 3.3, SPEC §5.4): out of [0, size) it becomes 0, so the read
+        stays inside the table, and the elements the context really computes (its mask) store
+        the check's code into the error word. Any code reports an error, so concurrent stores
+        need no order. The mask is combined with tl.where, not `&`: in Triton's interpreter `&`
+        fails between a scalar bool and a block."""
+        w = self.w
+        idx = self.value(e.args[0], ctx)
+        size = self.value(e.args[1], ctx)
+        err = w.ptr(ERRORS)
+        bad = w.var("bad")
+        w.emit(f"{bad} = ({idx} < 0) | ({idx} >= {size})")
+        hit = bad
+        if ctx.mask != "None":
+            hit = w.var("hit")
+            w.emit(f"{hit} = tl.where({ctx.mask}, {bad}, False)")
+        # one address per lane (the shape of `hit`), all of them the error word
+        w.emit(f"tl.store({err} + {hit}.to(tl.int32) * 0, {int(e.param)}, mask={hit})")
+        v = w.var()
+        w.emit(f"{v} = tl.where({bad}, 0, {idx})")
         return v
 
     # -- ops whose code needs intermediate values --------------------------------------------

@@ -179,10 +179,12 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
     for bounds in shapes.combinations(symbols, lists):
         graphs.append(_lower_bucket(core, name, options, symbols, sym_index, bounds))
     _check_same_interface(graphs)
-    layouts = [package.table_layout(g.program, len(symbols)) for g in graphs]  # sets buf.slot
+    checks = package.index_checks(graphs, symbols)   # gathers' bounds checks (format 3.3)
+    layouts = [package.table_layout(g.program, len(symbols), bool(checks))
+               for g in graphs]  # sets buf.slot
     if any(layout != layouts[0] for layout in layouts[1:]):
         raise lower.LoweringError("internal: buckets lowered to different argument tables")
-    slots, extents, table_nbytes = layouts[0]
+    slots, extents, table_nbytes, errors = layouts[0]
     writer = codegen.table_writer_source(slots, extents)
     step = None
     if options.generate:
@@ -210,7 +212,7 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
     t = time.perf_counter()
     manifest, sections = package.build_manifest(graphs, symbols, writer, binaries,
                                                 list(options.archs), recorded, slots, extents,
-                                                table_nbytes, step)
+                                                table_nbytes, step, errors, checks)
     output.parent.mkdir(parents=True, exist_ok=True)
     write_package(output, manifest, sections)
     seconds["package"] = time.perf_counter() - t

@@ -53,8 +53,9 @@ def compute_dtype(dtype: str) -> str:
 # ----------------------------------------------------------------------------------------------
 @dataclass(eq=False)
 class Buffer:
-    """A piece of device memory. kind: weight | arena | state | input | output | extents.
-    `state` buffers belong to the session and outlive a call (KV caches)."""
+    """A piece of device memory. kind: weight | arena | state | input | output | extents | errors.
+    `state` buffers belong to the session and outlive a call (KV caches); `errors` is the one
+    table word that index checks report into (ERRORS)."""
 
     name: str
     kind: str
@@ -239,6 +240,9 @@ def is_cheap(expr: Expr, limit: int = 24) -> bool:
 
 
 EXTENTS = Buffer("extents", "extents", "int64", (0,))   # the extents table (symbol values)
+# the error word of the table (format 3.3): a gather whose index is out of range stores the code
+# of its check here (Op "check_index"); kernels only ever store into it, and the runtime reads it
+ERRORS = Buffer("errors", "errors", "int64", (1,))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,3 +298,5 @@ class Program:
     state_data: dict[str, Any] = field(default_factory=dict)   # its initial values
     # (input name, size of the state dimension that input indexes), e.g. ("input_pos", 2048)
     state_index_sizes: list = field(default_factory=list)
+    # the gathers' index checks: {"code", "input", "op", "where", "size"} (Lowering.check_index)
+    index_checks: list = field(default_factory=list)

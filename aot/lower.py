@@ -16,12 +16,13 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from . import shapes, views
-from .ir import (TRANSCENDENTAL, Buffer, Const, Kernel, Load, Op, Program, SymValue,
+from .ir import (TRANSCENDENTAL, Buffer, Const, Expr, Kernel, Load, Op, Program, SymValue,
                  contiguous_strides, expr_size, is_cheap, loads, walk)
 from .shapes import SymSize, sym_expr
 from .views import TV
 
 HANDLERS: dict[Any, Callable] = {}
+CHECKS_PER_NODE = 64   # index checks per op (one per index tensor, at most the rank): see check_index
 DEFAULT_OPTIONS = {"fp32_matmul": "tf32x3"}   # see compiler.CompileOptions
 
 
@@ -57,6 +58,28 @@ def source_line(node: torch.fx.Node) -> str:
     return f"{lines[i]}: {code}".rstrip(": ")
 
 
+def user_line(node: torch.fx.Node) -> str:
+    """`file.py:LINE: code` of the innermost frame of a node's stack trace that is not inside torch
+    (for nn.Embedding, the model's `self.emb(ids)`, not torch's F.embedding call), for messages a
+    user reads at run time; "" when no location was recorded."""
+    import os
+    import re
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    found = innermost = ""
+    for i, ln in enumerate(lines):
+        m = re.match(r'File "(.*)", line (\d+)', ln)
+        if not m:
+            continue
+        code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""
+        here = f"{os.path.basename(m.group(1))}:{m.group(2)}" + (f": {code}" if code else "")
+        innermost = here
+        if not m.group(1).startswith(torch_dir):
+            found = here
+    return found or innermost   # only torch frames: the innermost of them
+
+
 class Lowering:
     """Walks the graph once; holds the kernels emitted so far.
 
@@ -87,6 +110,9 @@ class Lowering:
         self.state_data: dict[str, torch.Tensor] = {}
         # (input name, size of the state dimension it indexes): how many positions a cache holds
         self.state_index_sizes: list[tuple[str, int]] = []
+        # one entry per gather index (check_index): what an error code stored by a kernel means
+        self.index_checks: list[dict] = []
+        self._node_pos: dict | None = None   # FX node -> its position (check codes)
         self.env: dict[torch.fx.Node, Any] = {}
         self._count = 0
         self.node: torch.fx.Node | None = None
@@ -175,7 +201,7 @@ class Lowering:
         self._drop_unread_weights()
         return Program(self.kernels, self.inputs, self.outputs, self.weights, self.weight_data,
                        self.name, self.sizes, dict(self.bucket), self.state, self.state_data,
-                       list(self.state_index_sizes))
+                       list(self.state_index_sizes), list(self.index_checks))
 
     def data_symbol(self, node, bound: int):
         """Declare the unbacked symbol of `node`'s result (a size a kernel computes on the
@@ -359,6 +385,33 @@ class Lowering:
         for value, spec in mutations:
             self.node = value
             self.write_state(self.state_buffer(spec.target), self.env.get(value))
+
+    # ---- index checks (format 3.3) ------------------------------------------------------------
+    def check_index(self, node, index: Expr, source: Expr, size: Expr, size_value) -> Expr:
+        """`index` (already wrapped: torch's negative indices) clamped into [0, size): a gather
+        never reads outside its table. The kernel that evaluates it stores this check's code into
+        the table's error word when the index was out of range, and the runtime reports it, naming
+        the user input the index values came from (`source`'s input Load; None when computed in the
+        model), the op and the source line. `size_value`: int, or a sympy size expression.
+
+        The code comes from the node's position in the graph (and the check's ordinal within the
+        node: x[i, j] has two), not from a counter: every bucket is lowered from the same graph, so
+        a check has the same code in every bucket even when a bucket lowers some op differently
+        (kernels are shared between buckets, and one manifest lists the codes)."""
+        if self._node_pos is None:
+            self._node_pos = {n: i for i, n in enumerate(self.program.graph_module.graph.nodes)}
+        base = self._node_pos[node] * CHECKS_PER_NODE
+        ordinal = sum(1 for c in self.index_checks if base < c["code"] <= base + CHECKS_PER_NODE)
+        if ordinal >= CHECKS_PER_NODE:
+            raise LoweringError(f"more than {CHECKS_PER_NODE} index tensors in one op")
+        code = base + ordinal + 1
+        if not isinstance(size_value, int) and sympy.sympify(size_value).is_number:
+            size_value = int(size_value)
+        inputs = [ld.buf.name for ld in loads(source) if ld.buf.kind == "input"]
+        op = getattr(node.target, "_overloadpacket", node.target)
+        self.index_checks.append({"code": code, "input": inputs[0] if inputs else None,
+                                  "op": str(op), "where": user_line(node), "size": size_value})
+        return Op("check_index", [index, size], "int64", param=code)
 
     # ---- session state -----------------------------------------------------------------------
     def state_buffer(self, name: str) -> Buffer:

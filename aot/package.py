@@ -2,7 +2,8 @@
 
 One graph per bucket. A graph's node 0 is the table writer; kernel node j+1 is kernel j of its
 schedule. A kernel argument is a byte range of a region (weights, arena, the table slot of an I/O
-tensor, or the extents words) so the loader can check every range before anything is launched.
+tensor, the extents words, or the error word of the index checks) so the loader can check every
+range before anything is launched.
 Kernels are shared between graphs where their sources are identical.
 """
 from __future__ import annotations
@@ -18,9 +19,11 @@ from .memplan import MemoryPlan
 from .shapes import sym_expr, to_manifest
 
 
-def table_layout(program: Program, n_symbols: int = 0) -> tuple[list[dict], dict, int]:
+def table_layout(program: Program, n_symbols: int = 0,
+                 errors: bool = False) -> tuple[list[dict], dict, int, dict | None]:
     """Assign a table slot to each input then each output (u64 pointer, sizes, strides), then the
-    extents: one i64 word per size symbol."""
+    extents: one i64 word per size symbol, then (`errors`: the package has index checks) the
+    error word. Returns (slots, extents, table bytes, `table.errors` or None)."""
     slots, offset = [], 0
     for role, bufs in (("input", program.inputs), ("output", program.outputs)):
         for buf in bufs:
@@ -31,7 +34,11 @@ def table_layout(program: Program, n_symbols: int = 0) -> tuple[list[dict], dict
             offset = (offset + 15) // 16 * 16
     extents = {"offset": offset, "count": n_symbols}
     offset += 8 * n_symbols
-    return slots, extents, max((offset + 15) // 16 * 16, 16)
+    error_word = None
+    if errors:   # 8-aligned: the extents start 16-aligned and are int64 words
+        error_word = {"offset": offset}
+        offset += 8
+    return slots, extents, max((offset + 15) // 16 * 16, 16), error_word
 
 
 @dataclass
@@ -48,7 +55,8 @@ class GraphBuild:
     stats: dict = field(default_factory=dict)
 
 
-def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict) -> dict:
+def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict,
+         errors: dict | None = None) -> dict:
     if buf.kind == "arena":
         p = plan.arena[id(buf)]
         return {"region": "arena", "offset": p.offset, "nbytes": buf.nbytes, "dtype": buf.dtype}
@@ -61,6 +69,10 @@ def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict) -> dic
     if buf.kind == "extents":
         return {"region": "table", "offset": extents["offset"], "nbytes": 8 * extents["count"],
                 "dtype": "int64"}
+    if buf.kind == "errors":
+        if errors is None:
+            raise AssertionError("a kernel checks indices, but the table has no error word")
+        return {"region": "table", "offset": errors["offset"], "nbytes": 8, "dtype": "int64"}
     slot = slots[buf.slot]
     return {"region": "table", "offset": slot["offset"], "nbytes": 8 * (1 + 2 * slot["rank"]),
             "dtype": "int64"}
@@ -105,19 +117,21 @@ def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: di
 
 
 def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, extents,
-                 table_nbytes: int, pdl: bool = False) -> dict:
+                 table_nbytes: int, pdl: bool = False, errors: dict | None = None) -> dict:
     words = sum(1 + 2 * s["rank"] for s in slots) + extents["count"]
     nodes = [{"kernel": unique[writer.name], "grid": [1, 1, 1],
               "args": [{"region": "table", "offset": 0, "nbytes": table_nbytes, "dtype": "int64"}]
               + [{"word": i} for i in range(words)],
               "deps": [], "label": "table_writer"}]
     for j, (kernel, src) in enumerate(zip(g.kernels, g.sources)):
-        reads_table = any(b.kind in ("input", "output", "extents") for b in src.buffers)
+        # the error word is part of the table, which the table writer's range covers whole: a
+        # kernel that stores into it is ordered after node 0 as well
+        reads_table = any(b.kind in ("input", "output", "extents", "errors") for b in src.buffers)
         node_deps = [i + 1 for i in g.deps[j]]
         if reads_table:
             node_deps = [0] + node_deps
         node = {"kernel": unique[src.name], "grid": list(src.grid),
-                "args": [_arg(b, g.plan, slots, extents) for b in src.buffers],
+                "args": [_arg(b, g.plan, slots, extents, errors) for b in src.buffers],
                 "deps": node_deps, "label": kernel.label}
         programmatic = [d for d in node_deps if d != 0] if pdl else []
         if programmatic:   # kernel -> kernel edges; the table writer's (node 0) stay full (SPEC §5)
@@ -167,9 +181,43 @@ def _generate_entry(step, g: GraphBuild, slots, extents) -> dict:
                      "args": [_arg(b, g.plan, slots, extents) for b in step.source.buffers]}}
 
 
+def index_checks(graphs: list[GraphBuild], symbols: list) -> list[dict]:
+    """The manifest's `index_checks`: the checks some kernel of some graph evaluates (a check
+    whose gather no kernel computes reports nothing), by code. A code names one index of one FX
+    node (Lowering.check_index), so every bucket describes it the same way; a dynamic table size
+    is a shape expression."""
+    from .ir import Expr, Op, walk
+
+    def exprs(value):   # every expression a kernel holds, however its family nests them
+        if isinstance(value, Expr):
+            yield value
+        elif isinstance(value, dict):
+            for v in value.values():
+                yield from exprs(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                yield from exprs(v)
+
+    names = {s.expr: s.name for s in symbols}
+    found: dict[int, dict] = {}
+    for g in graphs:
+        used = {n.param for k in g.kernels for e in exprs([k.epilogue, k.inputs]) for n in walk(e)
+                if isinstance(n, Op) and n.op == "check_index"}
+        for check in g.program.index_checks:
+            if check["code"] not in used:
+                continue
+            size = check["size"]
+            entry = {**check, "size": size if isinstance(size, int) else to_manifest(size, names)}
+            if found.setdefault(entry["code"], entry) != entry:
+                raise AssertionError(f"internal: index check {entry['code']} differs between "
+                                     f"buckets: {found[entry['code']]} / {entry}")
+    return [found[c] for c in sorted(found)]
+
+
 def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource,
                    binaries: dict, archs: list[str], options: dict, slots: list[dict],
-                   extents: dict, table_nbytes: int, step=None) -> tuple[dict, dict[str, bytes]]:
+                   extents: dict, table_nbytes: int, step=None, errors: dict | None = None,
+                   checks: list | None = None) -> tuple[dict, dict[str, bytes]]:
     import triton
 
     from grace.formats import TensorBlob
@@ -195,7 +243,8 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
         "outputs": [{"name": b.name, "dtype": b.dtype,
                      "shape": _shape(program.sizes.get(b.name, b.shape), names), "slot": b.slot}
                     for b in program.outputs],
-        "table": {"nbytes": table_nbytes, "slots": slots, "extents": dict(extents)},
+        "table": {"nbytes": table_nbytes, "slots": slots, "extents": dict(extents),
+                  **({"errors": dict(errors)} if errors is not None else {})},
         "regions": {"weights": max(plan.weights_nbytes, 256),
                     "arena": max(max(g.plan.arena_nbytes for g in graphs), 256),
                     "table": table_nbytes, "state": plan.state_nbytes},
@@ -208,9 +257,11 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
                           for p in sorted(plan.arena.values(), key=lambda p: p.first)],
         "kernels": kernel_entries,
         "graphs": [_graph_entry(g, writer, unique, slots, extents, table_nbytes,
-                                bool(options.get("pdl")))
+                                bool(options.get("pdl")), errors)
                    for g in graphs],
     }
+    if checks:   # format 3.3: what each code a kernel stores into table.errors means
+        manifest["index_checks"] = [dict(c) for c in checks]
     if step is not None:
         manifest["generate"] = _generate_entry(step, first, slots, extents)
         manifest["generate"]["step"]["kernel"] = unique[step.source.name]

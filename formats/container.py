@@ -43,7 +43,10 @@ MAGIC = b"GRACE\0PK"
 # verifies a 16 GB weights section on all cores (a 3.0 reader ignores them and hashes it whole).
 # 3.2: graph nodes may list `programmatic` deps (programmatic dependent launch); a 3.1 reader
 # ignores the key and builds full edges, which order strictly more.
-FORMAT_VERSION = (3, 2)
+# 3.3: `index_checks` and `table.errors`: gathers clamp out-of-range indices on the device and
+# store a code into one table word that the runtime reads at its synchronising points; a 3.2
+# reader ignores both keys (it never reads out of range either, it just reports nothing).
+FORMAT_VERSION = (3, 3)
 ALIGN = 4096  # section data starts on a page boundary so the weights blob can be mmapped in place
 
 _HEADER = struct.Struct("<8sHHIQQQQQII32s32s")

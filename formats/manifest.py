@@ -17,6 +17,12 @@ tensors (`state`), node arguments that point into it, and the optional `generate
 the runtime drive a causal LM on the device. The runtime launches `generate.step` and feeds the
 state entries it names back into the decode graph, so every name it uses is resolved and
 type-checked here.
+
+Format 3.3 adds index checks: every gather index (embedding, x[idx], index_select, gather) is
+clamped into its table on the device, and a kernel that saw an index out of range stores that
+gather's code (`index_checks[i].code`) into one int64 table word (`table.errors`), which the
+runtime reads at its synchronising points. Both keys are optional; the word is checked against
+the slots and the extents like them, the checks against the inputs they name.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ SLOT_ALIGN = 16
 MAX_RANK = 64
 SYMBOL_KINDS = ("input", "data")
 EXTENTS_ALIGN = 8  # symbol values are int64 table words
+ERRORS_ALIGN = 8   # the index-check error word is one int64
 _I64_MAX = 2**63 - 1  # symbol values and bounds travel as int64 table words
 _SYMBOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _GRID_MAX = (2**31 - 1, 65535, 65535)  # CUDA gridDim limits
@@ -176,6 +183,7 @@ def validate_manifest(manifest, section_names=None) -> None:
                  lambda d, p, i, dim: _input_dim(d, p, i, dim, symbols))
     outputs = _io(m, "outputs", "output", slots, io_slots,
                   lambda d, p, i, dim: _output_dim(d, p, dim, symbols))
+    _index_checks(m, inputs, symbols)
     _symbol_sources(symbols, inputs)
     _weights(m, regions, section_names)
     state = _state(m, regions, section_names)
@@ -269,7 +277,8 @@ def _table(m: dict, regions: dict, n_symbols: int) -> tuple[list, int]:
         spans.append((off, end, p))
         words += 1 + 2 * rank
     _no_overlap(spans, "slot")
-    _extents(table, nbytes, n_symbols, spans)
+    ext_span = _extents(table, nbytes, n_symbols, spans)
+    _errors_word(table, nbytes, spans + [ext_span])
     return slots, words + n_symbols
 
 
@@ -289,6 +298,52 @@ def _extents(table: dict, nbytes: int, n_symbols: int, slot_spans: list) -> None
     for s_off, s_end, s_path in slot_spans:
         if off < s_end and s_off < end:
             _fail(p, f"extents bytes [{off}, {end}) overlap {s_path} [{s_off}, {s_end})")
+    return off, end, p
+
+
+def _errors_word(table: dict, nbytes: int, spans: list) -> None:
+    """`table.errors` (3.3, optional): the int64 word index checks store their code into, inside
+    the table and clear of every slot and of the extents (the table writer never writes it)."""
+    if "errors" not in table:
+        return
+    p = "table.errors"
+    err = _dict(table["errors"], p)
+    off = _int(_get(err, "offset", p), f"{p}.offset", lo=0)
+    if off % ERRORS_ALIGN:
+        _fail(f"{p}.offset", f"{off} is not a multiple of {ERRORS_ALIGN}")
+    end = off + 8
+    if end > nbytes:
+        _fail(p, f"error word bytes [{off}, {end}) exceed the table ({nbytes} bytes)")
+    for s_off, s_end, s_path in spans:
+        if off < s_end and s_off < end:
+            _fail(p, f"error word bytes [{off}, {end}) overlap {s_path} [{s_off}, {s_end})")
+
+
+def _index_checks(m: dict, inputs: list, symbols: dict) -> None:
+    """`index_checks` (3.3, optional): what each code stored into `table.errors` means, so the
+    runtime can name the input, the op and the source line of an out-of-range index."""
+    if "index_checks" not in m:
+        return
+    checks = _list(m["index_checks"], "index_checks")
+    if checks and "errors" not in m["table"]:
+        _fail("index_checks", "the package has index checks but no table.errors word to report them")
+    names = [e["name"] for e in inputs]
+    codes: dict[int, str] = {}
+    for i, c in enumerate(checks):
+        p = f"index_checks[{i}]"
+        _dict(c, p)
+        code = _int(_get(c, "code", p), f"{p}.code", lo=1, hi=_I64_MAX)
+        if code in codes:
+            _fail(f"{p}.code", f"duplicate code {code} (also {codes[code]})")
+        codes[code] = p
+        name = _get(c, "input", p)
+        if name is not None:
+            _str(name, f"{p}.input")
+            if name not in names:
+                _fail(f"{p}.input", f"{name!r} is not an input (the inputs are {names})")
+        _str(_get(c, "op", p), f"{p}.op")
+        _str(_get(c, "where", p), f"{p}.where")
+        check_shape_expr(_get(c, "size", p), f"{p}.size", symbols)
 
 
 def _io(m: dict, key: str, role: str, slots: list, io_slots: dict, check_dim) -> list:

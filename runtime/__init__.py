@@ -31,13 +31,13 @@ first load(). Without a GPU, load() raises NoDeviceError; use `grace run --inter
 """
 
 from .arrays import DeviceArray
-from .errors import (GraceRuntimeError, InputError, InvalidPackageError, NoDeviceError,
-                     PackageMismatchError, StaleOutputError)
+from .errors import (GraceRuntimeError, IndexOutOfRangeError, InputError, InvalidPackageError,
+                     NoDeviceError, PackageMismatchError, StaleOutputError)
 from .package import LoadedPackage, TensorSpec, load
 from .session import Session
 
 __all__ = [
     "load", "LoadedPackage", "Session", "DeviceArray", "TensorSpec",
     "GraceRuntimeError", "NoDeviceError", "InputError", "StaleOutputError", "PackageMismatchError",
-    "InvalidPackageError",
+    "InvalidPackageError", "IndexOutOfRangeError",
 ]

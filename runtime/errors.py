@@ -36,3 +36,17 @@ class PackageMismatchError(GraceRuntimeError):
 class InvalidPackageError(GraceRuntimeError):
     """The manifest passed the format checks but contradicts itself (a kernel argument outside its
     region, a node that depends on a later node, ...). A compiler bug or a hand-edited package."""
+
+
+class IndexOutOfRangeError(GraceRuntimeError, IndexError):
+    """A gather (embedding, x[idx], index_select, gather) met an index outside its table (format 3.3,
+    SPEC §5.4). The kernels read a clamped row instead, so nothing outside the table was read; the
+    runtime notices at its next synchronising point (.numpy(), sync(), ...), so the outputs of the
+    runs since the previous one are not meaningful. The session stays usable.
+
+    `input`: the name of the input the index values came from (None: computed in the model); `op`,
+    `where`: the ATen op and the user's source line; `code`: the check's code in the package."""
+
+    def __init__(self, message: str, input=None, op=None, where=None, code=None):
+        super().__init__(message)
+        self.input, self.op, self.where, self.code = input, op, where, code

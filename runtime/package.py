@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 from . import driver, graph
 from .driver import call
+from .checks import plan_index_checks
 from .errors import GraceRuntimeError, InvalidPackageError, PackageMismatchError
 from .generate import SET_CONDITION_NAME, SET_CONDITION_PTX, GeneratePlan
 from .shapes import ShapePlan
@@ -134,6 +135,7 @@ class LoadedPackage:
         self.graph_names = self.shapes.graph_names
         self.plans = [graph.plan_graph(manifest, i) for i in range(len(manifest["graphs"]))]
         self.extents_offset = manifest["table"]["extents"]["offset"]  # symbol k: 8 bytes at + 8k
+        self.index_checks = plan_index_checks(manifest)  # None: the package has no error word
         self.state = plan_state(manifest, package)
         self.generate = GeneratePlan(manifest, self.state) if manifest.get("generate") else None
         self.load_stats = {}

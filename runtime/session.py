@@ -32,6 +32,13 @@ run(), then one launch of the session's generation graph (graph.GenerationGraph,
 generate() and reused), which loops over the decode graph on the device until the step kernel says
 done. One sync at the end reads the count and the tokens.
 
+Index checks (format 3.3, runtime/checks.py): the package's gathers clamp out-of-range indices on the
+device and store a code into the table's error word. The session zeroes the word when it is made and,
+if the package has checks, reads it at every synchronising point: sync(), DeviceArray.numpy() (every
+device-to-host copy), the first read of a data-dependent shape, read_state() and the end of
+generate(). A nonzero word is zeroed and raised as IndexOutOfRangeError, naming the input, the op and
+the source line; the session stays usable.
+
 Streams: by default the session makes a stream that is *blocking* with respect to the legacy default
 stream, so work that torch or CuPy enqueue on their default stream is ordered with our launches in
 both directions, with no host synchronisation. If you produce inputs on another stream, synchronise
@@ -86,6 +93,8 @@ class Session:
         self._graph_names = package.graph_names
         self._data_outputs = {o for o in range(len(self._outputs)) if self._shapes.data_symbols_of(o)}
         self._last = None  # (graph, symbol values, values with data symbols read) of the last run
+        self._checks = package.index_checks  # checks.IndexChecks, or None: no error word to read
+        self._error_word = np.zeros(1, np.int64)  # host side of the error word's reads
 
         self._device.make_current()
         try:
@@ -109,6 +118,8 @@ class Session:
                 self._state = driver.mem_alloc(state_nbytes)
             self._bases = {"weights": package.weights_ptr, "arena": self._arena, "table": self._table,
                            "state": self._state or 0}
+            if self._checks is not None:  # (after the poison) no index was out of range yet
+                driver.memset_d8(self._table + self._checks.offset, 0, 8, self._stream)
             self.reset_state()
             if package.instantiate == "eager":
                 for g in range(len(self._graphs)):
@@ -362,6 +373,7 @@ class Session:
         words = np.empty(len(plan.symbols), np.int64)
         self._device.make_current()
         driver.copy_dtoh(words.ctypes.data, self._table + self._package.extents_offset, words.nbytes, self._stream)
+        self._check_indices()
         filled, bounds = list(values), plan.bounds(g)
         for k in plan.data_symbols:
             v = int(words[k])
@@ -379,14 +391,33 @@ class Session:
             driver.stream_wait(driver.as_stream(stream), self._stream, self._event)
 
     def _to_host(self, dst_addr: int, src: int, nbytes: int) -> None:
+        """Every copy to the host (.numpy(), read_state(), generate()'s tokens) waits for the runs
+        before it, so it is a synchronising point: index errors are reported here."""
         self._device.make_current()
         driver.copy_dtoh(dst_addr, src, nbytes, self._stream)
+        self._check_indices()
+
+    def _check_indices(self) -> None:
+        """Read the error word (8 bytes, ordered after every run enqueued so far); if a gather met an
+        out-of-range index, zero the word and raise IndexOutOfRangeError (SPEC §5.4)."""
+        checks = self._checks
+        if checks is None:
+            return
+        word = self._error_word
+        driver.copy_dtoh(word.ctypes.data, self._table + checks.offset, 8, self._stream)
+        code = int(word[0])
+        if code:
+            word[0] = 0
+            driver.memset_d8(self._table + checks.offset, 0, 8, self._stream)
+            raise checks.error(code)
 
     # ------------------------------------------------------------------------------- lifecycle
     def sync(self) -> None:
-        """Wait until every run enqueued so far has finished."""
+        """Wait until every run enqueued so far has finished; raises IndexOutOfRangeError if one of
+        them met an out-of-range gather index (see the module docstring)."""
         self._device.make_current()
         call(driver.cuda().cuStreamSynchronize, self._stream)
+        self._check_indices()
 
     def close(self) -> None:
         """Free everything the session owns. Its DeviceArrays become stale."""

@@ -319,8 +319,8 @@ def test_wrong_magic(pkg_bytes):
         read_package(pkg_bytes[:5])
 
 
-def test_format_version_is_3_2():
-    assert FORMAT_VERSION == (3, 2)
+def test_format_version_is_3_3():
+    assert FORMAT_VERSION == (3, 3)
 
 
 @pytest.mark.parametrize("major", [0, 1, 2, 4, 65535])
@@ -328,7 +328,7 @@ def test_unknown_major_version(pkg_bytes, major):
     data = bytearray(pkg_bytes)
     data[8:10] = struct.pack("<H", major)
     with pytest.raises(UnsupportedVersionError,
-                       match=rf"version {major}\.\d+ .*3\.x, up to 3\.2\): recompile the model with this grace"):
+                       match=rf"version {major}\.\d+ .*3\.x, up to 3\.3\): recompile the model with this grace"):
         read_package(bytes(data))
 
 
@@ -665,6 +665,102 @@ def test_zero_sized_extents_may_sit_anywhere_in_the_table():
         m = make_manifest()
         m["table"]["extents"]["offset"] = offset
         validate_manifest(m)
+
+
+# ---- index checks (3.3): `index_checks` and `table.errors` ---------------------------------------
+
+def make_checked_manifest() -> dict:
+    """The static manifest with one index check on input x and the error word at byte 88 (after the
+    slots; the extents are empty), passed to the kernel as a table range."""
+    m = make_manifest()
+    m["table"]["errors"] = {"offset": 88}
+    m["index_checks"] = [{"code": 1, "input": "x", "op": "aten.embedding",
+                          "where": "model.py:12: return self.emb(x)", "size": 128},
+                         {"code": 2, "input": None, "op": "aten.gather", "where": "", "size": 7}]
+    m["kernels"][1]["params"].append({"name": "errors", "type": "*i64"})
+    m["graphs"][0]["nodes"][1]["args"].append(
+        {"region": "table", "offset": 88, "nbytes": 8, "dtype": "int64"})
+    return m
+
+
+def test_checked_manifest_passes_and_round_trips(tmp_path):
+    m = make_checked_manifest()
+    validate_manifest(m, section_names=make_sections())
+    write_package(tmp_path / "c.grace", m, make_sections())
+    back = read_package(tmp_path / "c.grace").manifest
+    assert back["index_checks"] == m["index_checks"] and back["table"]["errors"] == {"offset": 88}
+
+
+def test_index_checks_are_optional():
+    m = make_manifest()
+    assert "index_checks" not in m and "errors" not in m["table"]
+    validate_manifest(m)
+    m["index_checks"] = []          # empty: no checks, no word needed
+    validate_manifest(m)
+    m["table"]["errors"] = {"offset": 88}   # a word nobody reports into is harmless
+    validate_manifest(m)
+
+
+def test_index_check_size_may_be_a_shape_expression():
+    m = make_dyn_manifest()
+    m["table"]["nbytes"] = m["regions"]["table"] = 240
+    m["graphs"] = [{**g, "nodes": [{**g["nodes"][0], "args": [
+        {"region": "table", "offset": 0, "nbytes": 240}] + g["nodes"][0]["args"][1:]}] + g["nodes"][1:]}
+        for g in m["graphs"]]
+    m["table"]["errors"] = {"offset": 224}
+    m["index_checks"] = [{"code": 3, "input": "pos", "op": "aten.index", "where": "", "size": "seq"},
+                         {"code": 9, "input": None, "op": "aten.index", "where": "",
+                          "size": ["+", "seq", 1]}]
+    validate_manifest(m)
+    m["index_checks"][0]["size"] = "tokens"
+    with pytest.raises(ManifestError, match=r"index_checks\[0\]\.size: 'tokens' is not a declared symbol"):
+        validate_manifest(m)
+
+
+BAD_CHECKED_MANIFESTS = [
+    (_set(["table", "errors"], 88), r"table\.errors: expected a map, got int"),
+    (_set(["table", "errors"], {}), r"table\.errors: missing required key 'offset'"),
+    (_set(["table", "errors", "offset"], 92), r"table\.errors\.offset: 92 is not a multiple of 8"),
+    (_set(["table", "errors", "offset"], -8), r"table\.errors\.offset: -8 is below the minimum 0"),
+    (_set(["table", "errors", "offset"], 96),
+     r"table\.errors: error word bytes \[96, 104\) exceed the table \(96 bytes\)"),
+    (_set(["table", "errors", "offset"], 80),
+     r"table\.errors: error word bytes \[80, 88\) overlap table\.slots\[1\] \[48, 88\)"),
+    (_set(["table", "errors", "offset"], 0),
+     r"table\.errors: error word bytes \[0, 8\) overlap table\.slots\[0\] \[0, 40\)"),
+    (lambda m: m["table"].pop("errors"),
+     r"index_checks: the package has index checks but no table\.errors word"),
+    (_set(["index_checks"], {"code": 1}), r"index_checks: expected a list, got dict"),
+    (_set(["index_checks", 0], 1), r"index_checks\[0\]: expected a map, got int"),
+    (_set(["index_checks", 1, "code"], 1), r"index_checks\[1\]\.code: duplicate code 1 \(also index_checks\[0\]\)"),
+    (_set(["index_checks", 0, "code"], 0), r"index_checks\[0\]\.code: 0 is below the minimum 1"),
+    (_set(["index_checks", 0, "code"], True), r"index_checks\[0\]\.code: expected an int, got bool"),
+    (_set(["index_checks", 0, "input"], "ids"),
+     r"index_checks\[0\]\.input: 'ids' is not an input \(the inputs are \['x'\]\)"),
+    (_set(["index_checks", 0, "input"], "out0"), r"index_checks\[0\]\.input: 'out0' is not an input"),
+    (_set(["index_checks", 0, "input"], 3), r"index_checks\[0\]\.input: expected a str, got int"),
+    (lambda m: m["index_checks"][0].pop("input"), r"index_checks\[0\]: missing required key 'input'"),
+    (lambda m: m["index_checks"][1].pop("op"), r"index_checks\[1\]: missing required key 'op'"),
+    (_set(["index_checks", 0, "where"], None), r"index_checks\[0\]\.where: expected a str, got NoneType"),
+    (_set(["index_checks", 0, "size"], -1), r"index_checks\[0\]\.size: -1 is negative"),
+    (_set(["index_checks", 0, "size"], "seq"), r"index_checks\[0\]\.size: 'seq' is not a declared symbol"),
+    (_set(["index_checks", 0, "size"], 1.5), r"index_checks\[0\]\.size: expected an int, a symbol name"),
+]
+
+
+@pytest.mark.parametrize("fn, match", BAD_CHECKED_MANIFESTS)
+def test_validate_checked_manifest_rejects(fn, match):
+    m = make_checked_manifest()
+    fn(m)
+    with pytest.raises(ManifestError, match=match):
+        validate_manifest(m)
+
+
+def test_reader_rejects_a_bad_index_check_written_without_validation():
+    m = make_checked_manifest()
+    m["index_checks"][0]["input"] = "nope"
+    with pytest.raises(ManifestError, match=r"index_checks\[0\]\.input: 'nope' is not an input"):
+        read_package(packed(m))
 
 
 def _dyn(fn):

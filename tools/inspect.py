@@ -201,6 +201,7 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
                   "slots": table_slots, "extents": extents},
         "memory": memory,
         "generate": _generate(m),
+        "index_checks": _index_checks(m),
         "kernels": kernel_list,
         "graphs": graph_list,
         "sections": sections,
@@ -217,6 +218,15 @@ def _generate(m: Mapping) -> dict | None:
     decode = graphs[g].get("name") if isinstance(g, int) and 0 <= g < len(graphs) else g
     return {"tokens": gen.get("tokens"), "positions": gen.get("positions"),
             "logits": gen.get("logits"), "capacity": gen.get("capacity"), "decode_graph": decode}
+
+
+def _index_checks(m: Mapping) -> dict:
+    """Format 3.3: the gathers whose indices are checked on the device, and the error word."""
+    errors = (m.get("table") or {}).get("errors") or {}
+    checks = [{"code": c.get("code"), "input": c.get("input"), "op": c.get("op"),
+               "where": c.get("where"), "size": _jsonable(c.get("size"))}
+              for c in m.get("index_checks", []) or [] if isinstance(c, Mapping)]
+    return {"count": len(checks), "error_word": errors.get("offset"), "checks": checks}
 
 
 def _extents(m: Mapping, first_word: int) -> dict:
@@ -359,7 +369,14 @@ def render(d: Mapping, console=None) -> None:
     if ext.get("count"):
         first, n = ext["first_word"], ext["count"]
         t.add_row("-", "extents", "symbols", str(ext["offset"]), "-", f"{n} (w{first}..w{first + n - 1})")
+    checks = d.get("index_checks") or {}
+    if checks.get("error_word") is not None:
+        t.add_row("-", "errors", "index checks", str(checks["error_word"]), "-", "1 (not a table word)")
     console.print(t)
+    if checks.get("count"):
+        inputs = sorted({str(c["input"]) for c in checks["checks"] if c.get("input") is not None})
+        console.print(f"[bold]index checks[/]: {checks['count']} gather index(es) clamped and reported "
+                      f"on the device" + (f" (inputs {', '.join(inputs)})" if inputs else "") + "\n")
 
     # memory plan
     mem = d.get("memory", {})

@@ -16,6 +16,11 @@ reads memory nobody wrote shows up as NaN in the outputs instead of passing by l
 extents words are set to -1 in any case before the table writer runs; a data symbol outside [0, its
 bound] after the run (-1: never written) is reported as an error.
 
+Index checks (format 3.3): the table's error word is zeroed when the session is made and read after
+every call, as the GPU runtime reads it at its synchronising points; a gather that met an
+out-of-range index raises grace.runtime's IndexOutOfRangeError (naming the input, the op and the
+source line) and the word is zeroed again, so the next call starts clean.
+
 Outputs come back with their true shapes: an output whose dim 0 is a data symbol is cut to the value
 a kernel wrote into the extents words. The result is a dict that also says which graph ran
 (`InterpretResult.graph`) and the symbol values (`.symbols`).
@@ -477,11 +482,33 @@ class InterpretSession:
             "state": torch.zeros(int(sizes.get("state", 0)), dtype=torch.uint8),
         }
         _fill_weights(self.package, self.regions["weights"])
+        from grace.runtime.checks import plan_index_checks
         from grace.runtime.state import plan_state
+
+        self.checks = plan_index_checks(manifest)   # None: no error word
+        if self.checks is not None:   # poisoned with the rest of the table: no error yet
+            self._error_word().zero_()
 
         with _as_interpret_errors():
             self.state_entries = plan_state(manifest, self.package)
         self.reset_state()
+
+    # -- index checks --------------------------------------------------------------------------
+    def _error_word(self):
+        import torch
+
+        off = self.checks.offset
+        return self.regions["table"][off:off + 8].view(torch.int64)
+
+    def _check_indices(self, values: dict) -> None:
+        """Raise IndexOutOfRangeError if a kernel of the last call stored a check's code (SPEC §5.4)."""
+        if self.checks is None:
+            return
+        word = self._error_word()
+        code = int(word[0])
+        if code:
+            word.zero_()
+            raise self.checks.error(code, values)
 
     # -- state ---------------------------------------------------------------------------------
     def _state_view(self, name: str):
@@ -537,6 +564,7 @@ class InterpretSession:
             for i, node in enumerate(g["nodes"]):
                 _run_node(self.package, manifest["kernels"], g, i, node, self.regions, words)
         values = _data_symbols(plan, gi, values, extents)
+        self._check_indices(dict(zip(plan.symbols, values)))
         outputs = {s["name"]: _cut(buffers[s["name"]], plan.output_shape(o, values))
                    for o, s in enumerate(manifest["outputs"])}
         return InterpretResult(outputs, g["name"], dict(zip(plan.symbols, values)))

@@ -11,6 +11,8 @@ running it:
                              What a node writes: the pointer parameters its kernel lists in `writes`
                              (SPEC §3, format 3.2). Packages whose kernels do not all declare it
                              (older compilers, handmade) cannot be checked: `unchecked_reason`.
+                             One exemption: two stores into the error word of the index checks
+                             (`table.errors`, format 3.3) need no order (`_codes_commute`).
   check_pre_wait(package)    every kernel that is the target of a programmatic edge calls
                              gdc_wait() at the top level of its body, and before that reads nothing
                              but weights: no store, no early return, no table or arena or state
@@ -71,6 +73,16 @@ def _accesses(manifest, graph) -> dict:
     return out
 
 
+def _codes_commute(a: Access, b: Access, error_word) -> bool:
+    """Both accesses are stores of exactly the error word by kernel nodes (not the table writer).
+    Kernels only ever store index-check codes into it and never read it; any nonzero code is a
+    correct report (SPEC §5.4), so such stores commute and no edge has to order them. A read of
+    the word, or the table writer's range over the whole table, is still checked as usual."""
+    if error_word is None:
+        return False
+    return all(x.write and x.node != 0 and (x.start, x.end) == error_word for x in (a, b))
+
+
 def _label(graph, n: int) -> str:
     return f"node {n} ({graph['nodes'][n].get('label', '?')})"
 
@@ -89,6 +101,8 @@ def check_races(manifest) -> list[str]:
     if unchecked_reason(manifest):
         return []
     problems = []
+    errors = (manifest.get("table") or {}).get("errors")
+    error_word = (errors["offset"], errors["offset"] + 8) if errors is not None else None
     for g, graph in enumerate(manifest.get("graphs", [])):
         anc = _ancestors(graph["nodes"])
         name = graph.get("name", g)
@@ -108,6 +122,8 @@ def check_races(manifest) -> list[str]:
                 active = [a for a in active if a.end > acc.start]
                 for other in active:
                     if other.node == acc.node or not (other.write or acc.write):
+                        continue
+                    if resource == "table" and _codes_commute(other, acc, error_word):
                         continue
                     first, second = sorted((other.node, acc.node))
                     if not anc[second] >> first & 1:
