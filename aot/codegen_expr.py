@@ -431,7 +431,7 @@ class ExprEmitter:
         quotient down. Exact for all integers (no float round trip). Index arithmetic (a
         provably non-negative dividend over a positive constant) is the plain `//`."""
         if out_c.startswith("float"):
-            return self._float_floordiv(a[0], a[1])
+            return self._float_floordiv(a[0], a[1], out_c)
         if _positive_const(e.args[1]) and _non_negative(e.args[0]):
             return f"{a[0]} // {a[1]}"
         q = self._bind(f"{a[0]} // {a[1]}")
@@ -440,11 +440,11 @@ class ExprEmitter:
             return f"tl.where({r} < 0, {q} - 1, {q})"
         return f"tl.where(({r} != 0) & (({r} < 0) != ({a[1]} < 0)), {q} - 1, {q})"
 
-    def _float_floordiv(self, a: str, b: str) -> str:
+    def _float_floordiv(self, a: str, b: str, out_c: str) -> str:
         """ATen's div_floor for floats: from the C remainder, not floor(a / b), which rounds
         -tiny / huge to -0 where the floor is -1. A zero quotient keeps the sign of a / b;
         b = 0 gives a / b (±inf or NaN)."""
-        mod = self._bind(f"{a} % {b}")
+        mod = self._bind(self._fmod(a, b) if out_c == "float32" else f"{a} % {b}")
         div = self._bind(f"({a} - {mod}) / {b}")
         div = self._bind(f"tl.where(({mod} != 0.0) & (({b} < 0.0) != ({mod} < 0.0)), "
                          f"{div} - 1.0, {div})")
@@ -461,11 +461,43 @@ class ExprEmitter:
             return f"tl.where({q} < 0, tl.ceil({q}), tl.floor({q}))"
         return f"{a[0]} // {a[1]}"
 
+    def _op_fmod(self, e, a, out_c):
+        return self._fmod(a[0], a[1]) if out_c == "float32" else None
+
+    def _fmod(self, x: str, y: str) -> str:
+        """C fmod of fp32 values, exactly, on the GPU too: the compiled float `%` is
+        x - trunc(x / y) * y, wrong once x / y is large (1e30 % 7) and -inf once it overflows.
+        In fp64, r - q·|y| is exact while q has at most 29 significant bits (24 + 29 <= 53), so
+        each of 12 steps strips 26+ bits of the quotient (fp32 spans at most 2^277); a quotient
+        rounded up leaves r slightly negative, which adding |y| repairs."""
+        w = self.w
+        r = self._bind(f"tl.abs({x}.to(tl.float64))")
+        m = self._bind(f"tl.abs({y}.to(tl.float64))")
+        safe = self._bind(f"tl.where({m} > 0.0, tl.where({m} < float(\"inf\"), {m}, 1.0), 1.0)")
+        k = w.var("k")
+        w.emit(f"for {k} in range(12):")
+        w.indent += 1
+        q = w.var("q")
+        w.emit(f"{q} = tl.floor({r} / {safe})")
+        w.emit(f"{q} = tl.where({q} > 536870912.0, tl.floor({q} * tl.exp2(27.0 - "
+               f"tl.floor(tl.log2({q})))) * tl.exp2(tl.floor(tl.log2({q})) - 27.0), {q})")
+        w.emit(f"{r} = {r} - {q} * {safe}")
+        w.emit(f"{r} = tl.where({r} < 0.0, {r} + {safe}, {r})")
+        w.indent -= 1
+        res = self._bind(f"tl.where({r} >= {safe}, {r} - {safe}, {r}).to(tl.float32)")
+        signed = self._bind(f"tl.where({x} < 0, -{res}, {res})")
+        # fmod(x, ±inf) = x for finite x; x = ±inf, y = 0 or NaN operands give NaN
+        special = self._bind(f"tl.where(tl.abs({y}) == float(\"inf\"), {x}, float(\"nan\"))")
+        ok = self._bind(f"tl.where(tl.abs({x}) < float(\"inf\"), tl.where({y} != 0.0, "
+                        f"tl.abs({y}) < float(\"inf\"), False), False)")
+        return f"tl.where({ok}, {signed}, tl.where(tl.abs({x}) < float(\"inf\"), {special}, float(\"nan\")))"
+
     def _op_remainder(self, e, a, out_c):
         """Python-style remainder (the sign of b; torch.remainder), as ATen computes it: the
         C-style `%` (fmod: exact for integers, and for floats where a / b is large, where
         a - floor(a / b) * b is 0), moved by b when its sign differs from b's."""
-        r = self._bind(f"{a[0]} % {a[1]}")
+        r = self._fmod(a[0], a[1]) if out_c == "float32" else f"{a[0]} % {a[1]}"
+        r = self._bind(r)
         zero = "0.0" if out_c.startswith("float") else "0"
         return (f"tl.where(({r} != {zero}) & (({r} < {zero}) != ({a[1]} < {zero})), "
                 f"{r} + {a[1]}, {r})")
