@@ -4,7 +4,7 @@ The pipeline, one module per stage (read them in this order):
     export.py   torch.export + core-ATen decompositions
     lower.py    FX graph -> kernel IR (ir.py, views.py; op handlers in lower_ops.py,
                 lower_vision.py for convolutions/pooling/resampling, lower_scan.py for
-                scans, arg-reductions and sorts)
+                scans, arg-reductions and sorts; what each pointwise op means: ops.py)
     fuse.py     epilogue fusion
     memplan.py  arena offsets + graph dependencies
     codegen.py  kernel IR -> Triton source (expressions in codegen_expr.py)

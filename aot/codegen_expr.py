@@ -15,6 +15,7 @@ import sympy
 
 from .ir import (ERRORS, EXTENTS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape,
                  SymValue, compute_dtype, contiguous_strides, is_contiguous, numel)
+from .ops import FLOAT_OPERANDS, SAME_TYPE_OPERANDS, TEMPLATES  # what each Op means
 from .shapes import is_static_size
 
 TL_TYPE = {
@@ -240,12 +241,6 @@ def _literal(value, dtype: str) -> str:
     return repr(f)
 
 
-SAME_TYPE_OPS = {"add", "sub", "mul", "div", "maximum", "minimum", "neg", "remainder", "fmod",
-                 "floordiv", "truncdiv"}
-FLOAT_OPS = {"exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "erf", "sin", "cos", "log1p",
-             "expm1", "gelu", "silu", "reciprocal", "pow"}
-
-
 class ExprEmitter:
     def __init__(self, w: Writer, acc: str | None = None):
         self.w = w
@@ -334,13 +329,13 @@ class ExprEmitter:
         for a in e.args:
             v = self.value(a, ctx)
             a_c = compute_dtype(a.dtype)
-            if e.op in SAME_TYPE_OPS and a_c != out_c:
+            if e.op in SAME_TYPE_OPERANDS and a_c != out_c:
                 v = _cast(v, a_c, out_c)
             elif e.op == "where" and a is not e.args[0] and a_c != out_c:
                 v = _cast(v, a_c, out_c)
             elif e.op == "pow" and not out_c.startswith("float"):
                 v = _cast(v, a_c, out_c) if a_c != out_c else v   # integer pow stays exact
-            elif e.op in FLOAT_OPS and not a_c.startswith("float"):
+            elif e.op in FLOAT_OPERANDS and not a_c.startswith("float"):
                 v = _cast(v, a_c, "float32")
             args.append(v)
         special = getattr(self, f"_op_{e.op}", None)
@@ -695,27 +690,10 @@ def _cast(v: str, src: str, dst: str) -> str:
     return f"{v}.to({TL_TYPE[compute_dtype(dst)]})"
 
 
-# Pointwise ops as code templates over the argument variables {0}, {1}, {2}.
-OP_TEMPLATES = {
-    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
-    "fmod": "{0} % {1}", "neg": "-{0}",
-    "and": "{0} & {1}", "or": "{0} | {1}", "xor": "{0} ^ {1}",
-    "eq": "{0} == {1}", "ne": "{0} != {1}", "lt": "{0} < {1}", "le": "{0} <= {1}",
-    "gt": "{0} > {1}", "ge": "{0} >= {1}",
-    "exp": "tl.exp({0})", "log": "tl.log({0})", "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})",
-    "sin": "tl.sin({0})", "cos": "tl.cos({0})", "erf": "tl.erf({0})", "abs": "tl.abs({0})",
-    "floor": "tl.floor({0})", "ceil": "tl.ceil({0})", "sigmoid": "tl.sigmoid({0})",
-    "reciprocal": "1.0 / {0}", "relu": "tl.maximum({0}, 0)",
-    "maximum": "tl.maximum({0}, {1})", "minimum": "tl.minimum({0}, {1})",
-    "where": "tl.where({0}, {1}, {2})", "silu": "{0} * tl.sigmoid({0})",
-    "isnan": "{0} != {0}", "trunc": "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))",
-}
-
-
 def _op_code(e: Op, a: list[str], out_c: str, arg_c: list[str]) -> str:
     op = e.op
-    if op in OP_TEMPLATES:
-        return OP_TEMPLATES[op].format(*a)
+    if op in TEMPLATES:
+        return TEMPLATES[op].format(*a)
     if op == "not":
         return f"{a[0]} == 0" if arg_c[0] != "bool" else f"{a[0]} ^ 1"
     if op == "cast":

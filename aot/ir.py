@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .ops import COSTLY
+
 # dtype names used everywhere (manifest, IR, runtime): the torch names without the "torch." prefix.
 ITEMSIZE = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -218,10 +220,6 @@ def expr_size(expr: Expr) -> int:
     return sum(1 for _ in walk(expr))
 
 
-TRANSCENDENTAL = {"exp", "log", "tanh", "erf", "sigmoid", "sin", "cos", "pow", "rsqrt", "sqrt",
-                  "div", "log1p", "expm1", "atan", "gelu", "silu"}
-
-
 def is_cheap(expr: Expr, limit: int = 24) -> bool:
     """Cheap enough to recompute in every tile that reads it (GEMM/attention operands): index
     arithmetic and plain arithmetic are fine; transcendentals, gathers and concatenations are
@@ -234,7 +232,7 @@ def is_cheap(expr: Expr, limit: int = 24) -> bool:
         if isinstance(node, Reindex) and any(m.kind == "expr" and loads(m.expr)
                                              for m in node.maps):
             return False   # a gather; index arithmetic alone (GQA's head // rep) is cheap
-        if isinstance(node, Op) and node.op in TRANSCENDENTAL:
+        if isinstance(node, Op) and node.op in COSTLY:
             return False
     return True
 

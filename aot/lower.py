@@ -16,8 +16,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from . import shapes, views
-from .ir import (TRANSCENDENTAL, Buffer, Const, Expr, Kernel, Load, Op, Program, SymValue,
+from .ir import (Buffer, Const, Expr, Kernel, Load, Op, Program, SymValue,
                  contiguous_strides, expr_size, is_cheap, loads, walk)
+from .ops import COSTLY
 from .shapes import SymSize, sym_expr
 from .views import TV
 
@@ -523,7 +524,7 @@ def _worth_sharing(tv: TV) -> bool:
     size = 0
     for node in walk(tv.expr):
         size += 1
-        if isinstance(node, Op) and node.op in TRANSCENDENTAL:
+        if isinstance(node, Op) and node.op in COSTLY:
             return True
     return size > 6
 

@@ -17,6 +17,7 @@ from .codegen import gemm_plan
 from .ir import (EXTENTS, FLOATS, Acc, Buffer, Const, DimMap, Index, Kernel, Load, Op, Reindex,
                  SymValue, compute_dtype, loads, numel)
 from .lower import LoweringError, as_operand, dtype_name, handles
+from .ops import POINTWISE
 from .shapes import sym_expr
 from .views import TV
 
@@ -38,37 +39,20 @@ def _common_dtype(node) -> str:
 
 
 # ---- pointwise ---------------------------------------------------------------------------------
-UNARY = {
-    aten.neg.default: "neg", aten.exp.default: "exp", aten.log.default: "log",
-    aten.sqrt.default: "sqrt", aten.rsqrt.default: "rsqrt", aten.tanh.default: "tanh",
-    aten.sigmoid.default: "sigmoid", aten.relu.default: "relu", aten.erf.default: "erf",
-    aten.abs.default: "abs", aten.sin.default: "sin", aten.cos.default: "cos",
-    aten.floor.default: "floor", aten.ceil.default: "ceil", aten.reciprocal.default: "reciprocal",
-    aten.silu.default: "silu", aten.log1p.default: "log1p", aten.expm1.default: "expm1",
-    aten.trunc.default: "trunc", aten.sign.default: "sign", aten.round.default: "round",
-}
-for _op, _name in UNARY.items():
-    handles(_op)(lambda L, node, x, _name=_name: _pointwise(L, node, _name, x))
+def _aten(name: str):
+    """'mul.Tensor' -> torch.ops.aten.mul.Tensor"""
+    packet, overload = name.split(".")
+    return getattr(getattr(aten, packet), overload)
 
-BINARY = {
-    aten.mul.Tensor: "mul", aten.mul.Scalar: "mul", aten.div.Tensor: "div", aten.div.Scalar: "div",
-    aten.maximum.default: "maximum", aten.minimum.default: "minimum",
-    aten.bitwise_and.Tensor: "and", aten.bitwise_or.Tensor: "or", aten.bitwise_xor.Tensor: "xor",
-    aten.logical_and.default: "and", aten.logical_or.default: "or", aten.logical_xor.default: "xor",
-    aten.remainder.Tensor: "remainder", aten.remainder.Scalar: "remainder",
-    aten.fmod.Tensor: "fmod", aten.fmod.Scalar: "fmod",
-}
-for _op, _name in BINARY.items():
-    handles(_op)(lambda L, node, a, b, _name=_name: _pointwise(L, node, _name, a, b))
 
-COMPARE = {
-    aten.eq.Tensor: "eq", aten.eq.Scalar: "eq", aten.ne.Tensor: "ne", aten.ne.Scalar: "ne",
-    aten.lt.Tensor: "lt", aten.lt.Scalar: "lt", aten.le.Tensor: "le", aten.le.Scalar: "le",
-    aten.gt.Tensor: "gt", aten.gt.Scalar: "gt", aten.ge.Tensor: "ge", aten.ge.Scalar: "ge",
-}
-for _op, _name in COMPARE.items():
-    handles(_op)(lambda L, node, a, b, _name=_name:
-                 _pointwise(L, node, _name, a, b, in_dtype=_common_dtype(node)))
+# the same-dtype pointwise ops come from the op table (aot/ops.py)
+for _row in POINTWISE.values():
+    for _name in _row.aten:
+        if _row.aten_operands == "common":   # comparisons read both sides in the promoted type
+            handles(_aten(_name))(lambda L, node, a, b, _op=_row.name:
+                                  _pointwise(L, node, _op, a, b, in_dtype=_common_dtype(node)))
+        else:
+            handles(_aten(_name))(lambda L, node, *xs, _op=_row.name: _pointwise(L, node, _op, *xs))
 
 
 @handles(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar)
