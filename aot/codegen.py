@@ -183,25 +183,24 @@ def scatter(kernel: Kernel, w: Writer):
 REDUCE_INIT = {"sum": "0", "max": '-float("inf")', "min": 'float("inf")'}
 
 
-def reduction(kernel: Kernel, w: Writer):
-    inp = kernel.inputs
-    src_shape, rdims, op, acc_t = inp["src_shape"], inp["rdims"], inp["op"], inp["acc_dtype"]
+def _row_blocks(w: Writer, inp: dict, start_acc) -> tuple[int, int, int, Ctx]:
+    """The loop both reductions share: programs of `br` rows (the kept dimensions, flattened),
+    each walking the reduced dimensions (flattened) in blocks of `bn` columns, masked past their
+    end and the true extents. `start_acc(br, bn)` emits the accumulators before the loop. Leaves
+    the writer inside the loop; returns (rows, cols, br, the index context of a block)."""
+    src_shape, rdims = inp["src_shape"], inp["rdims"]
     kept = [d for d in range(len(src_shape)) if d not in rdims]
     rows = numel([src_shape[d] for d in kept])
     cols = numel([src_shape[d] for d in rdims])
     bn = min(next_pow2(max(cols, 2)), 1024)
     br = max(1, min(next_pow2(rows), 4096 // bn, 64))
-    init = REDUCE_INIT[op]
-    if not acc_t.startswith("float") and op != "sum":
-        init = "-9223372036854775807" if op == "max" else "9223372036854775807"
-    tl_acc = TL_TYPE[acc_t]
     src_ext = inp.get("src_ext") or (None,) * len(src_shape)
     w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
     w.emit(f"rmask = rows < {rows}")
     kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
     _and_into(w, "rmask", kept_ctx.valid([src_ext[d] for d in kept]))
     w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
-    w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})")
+    start_acc(br, bn)
     w.emit(f"for start in range(0, {cols}, {bn}):")
     w.indent += 1
     w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
@@ -213,7 +212,18 @@ def reduction(kernel: Kernel, w: Writer):
         dims[d] = kept_ctx.dim(i)
     for i, d in enumerate(rdims):
         dims[d] = red_ctx.dim(i)
-    ctx = Ctx(w, src_shape, dims, mask="mask", zero="zero")
+    return rows, cols, br, Ctx(w, src_shape, dims, mask="mask", zero="zero")
+
+
+def reduction(kernel: Kernel, w: Writer):
+    inp = kernel.inputs
+    op, acc_t = inp["op"], inp["acc_dtype"]
+    init = REDUCE_INIT[op]
+    if not acc_t.startswith("float") and op != "sum":
+        init = "-9223372036854775807" if op == "max" else "9223372036854775807"
+    tl_acc = TL_TYPE[acc_t]
+    rows, _, br, ctx = _row_blocks(
+        w, inp, lambda br, bn: w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})"))
     value = ExprEmitter(w).value(inp["src"], ctx)
     w.emit(f"value = tl.where(mask, {value}.to({tl_acc}), {init})")
     combine = {"sum": "acc + value", "max": "tl.maximum(acc, value)",
@@ -692,37 +702,18 @@ def argreduce(kernel: Kernel, w: Writer):
     key and the column it was first seen at; the lanes are then merged by key, ties to the lower
     column."""
     inp = kernel.inputs
-    src_shape, rdims, op = inp["src_shape"], inp["rdims"], inp["op"]
+    op = inp["op"]
     dtype = inp["src"].dtype
-    kept = [d for d in range(len(src_shape)) if d not in rdims]
-    rows = numel([src_shape[d] for d in kept])
-    cols = numel([src_shape[d] for d in rdims])
-    bn = min(next_pow2(max(cols, 2)), 1024)
-    br = max(1, min(next_pow2(rows), 4096 // bn, 64))
     bits = _key_bits(dtype)
     kt = "tl.int64" if bits == 64 else "tl.int32"
     lowest = f"-{2**(bits - 1)}"
     highest = str(INT64_MAX if bits == 64 else INT32_MAX)
-    src_ext = inp.get("src_ext") or (None,) * len(src_shape)
-    w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
-    w.emit(f"rmask = rows < {rows}")
-    kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
-    _and_into(w, "rmask", kept_ctx.valid([src_ext[d] for d in kept]))
-    w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
-    w.emit(f"best = tl.full([{br}, {bn}], {lowest}, {kt})")
-    w.emit(f"besti = tl.zeros([{br}, {bn}], tl.int32)")
-    w.emit(f"for start in range(0, {cols}, {bn}):")
-    w.indent += 1
-    w.emit(f"cols = start + tl.arange(0, {bn})[None, :]")
-    w.emit(f"mask = rmask & (cols < {cols})")
-    red_ctx = Ctx(w, [src_shape[d] for d in rdims], linear="cols")
-    _and_into(w, "mask", red_ctx.valid([src_ext[d] for d in rdims]))
-    dims = [None] * len(src_shape)
-    for i, d in enumerate(kept):
-        dims[d] = kept_ctx.dim(i)
-    for i, d in enumerate(rdims):
-        dims[d] = red_ctx.dim(i)
-    ctx = Ctx(w, src_shape, dims, mask="mask", zero="zero")
+
+    def start_acc(br, bn):
+        w.emit(f"best = tl.full([{br}, {bn}], {lowest}, {kt})")
+        w.emit(f"besti = tl.zeros([{br}, {bn}], tl.int32)")
+
+    rows, cols, br, ctx = _row_blocks(w, inp, start_acc)
     value = ExprEmitter(w).value(inp["src"], ctx)
     key = _order_key(w, value, dtype, flip=op == "min", nan_key=highest)
     w.emit(f"key = tl.where(mask, {key}, {lowest})")

@@ -4,10 +4,6 @@ interpreter and compared with torch eager — indices exactly, with torch's rule
 index, stable sorts), NaN (largest; wins max/min) and -0.0 == 0.0."""
 from __future__ import annotations
 
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -18,24 +14,9 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.aot.lower import LoweringError  # noqa: E402
+from tests.test_buckets_interpret import run_cases  # noqa: E402
 
 pytestmark = pytest.mark.slow
-WORKER = pathlib.Path(__file__).with_name("interpret_cases.py")
-
-
-def run_cases(path, cases: dict, tmp_path) -> dict:
-    """{case: {input: array}} -> {case: {output: array}}, all cases in one interpreter process."""
-    spec, result = tmp_path / "cases.npz", tmp_path / "result.npz"
-    np.savez(spec, **{f"{c}/{n}": a for c, inputs in cases.items() for n, a in inputs.items()})
-    proc = subprocess.run([sys.executable, str(WORKER), str(path), str(spec), str(result)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out: dict = {}
-    with np.load(result) as data:
-        for key in data.files:
-            case, name = key.split("/", 1)
-            out.setdefault(case, {})[name] = data[key]
-    return out
 
 
 def check(model, example, cases: dict, tmp_path, exact=(), tol=1e-5, dynamic_shapes=None,
