@@ -215,6 +215,18 @@ def _row_blocks(w: Writer, inp: dict, start_acc) -> tuple[int, int, int, Ctx]:
     return rows, cols, br, Ctx(w, src_shape, dims, mask="mask", zero="zero")
 
 
+def _store_rows(w: Writer, kernel: Kernel, rows: int, br: int):
+    """Store each row's reduced value `red` through the epilogue; the launch of `_row_blocks`."""
+    w.emit(f"orow = tl.program_id(0) * {br} + tl.arange(0, {br})")
+    w.emit(f"omask = orow < {rows}")
+    w.emit(f"ozero = tl.zeros([{br}], tl.int32)")
+    out_ctx = Ctx(w, kernel.out_shape, linear="orow", mask="omask", zero="ozero")
+    _and_into(w, "omask", out_ctx.valid(kernel.ext))
+    value = ExprEmitter(w, acc="red").value(kernel.epilogue, out_ctx)
+    _store(w, kernel, value, out_ctx, f"[{br}]")
+    return (cdiv(rows, br), 1, 1), 4, 1
+
+
 def reduction(kernel: Kernel, w: Writer):
     inp = kernel.inputs
     op, acc_t = inp["op"], inp["acc_dtype"]
@@ -232,14 +244,7 @@ def reduction(kernel: Kernel, w: Writer):
     w.indent -= 1
     reducer = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
     w.emit(f"red = {reducer}(acc, axis=1)")
-    w.emit(f"orow = tl.program_id(0) * {br} + tl.arange(0, {br})")
-    w.emit(f"omask = orow < {rows}")
-    w.emit(f"ozero = tl.zeros([{br}], tl.int32)")
-    out_ctx = Ctx(w, kernel.out_shape, linear="orow", mask="omask", zero="ozero")
-    _and_into(w, "omask", out_ctx.valid(kernel.ext))
-    value = ExprEmitter(w, acc="red").value(kernel.epilogue, out_ctx)
-    _store(w, kernel, value, out_ctx, f"[{br}]")
-    return (cdiv(rows, br), 1, 1), 4, 1
+    return _store_rows(w, kernel, rows, br)
 
 
 # ---- row-wise normalisations (softmax, log-softmax, layer norm) -------------------------------
@@ -723,14 +728,7 @@ def argreduce(kernel: Kernel, w: Writer):
     w.indent -= 1
     w.emit("top = tl.max(best, axis=1)")
     w.emit(f"red = tl.min(tl.where(best == top[:, None], besti, {cols}), axis=1).to(tl.int64)")
-    w.emit(f"orow = tl.program_id(0) * {br} + tl.arange(0, {br})")
-    w.emit(f"omask = orow < {rows}")
-    w.emit(f"ozero = tl.zeros([{br}], tl.int32)")
-    out_ctx = Ctx(w, kernel.out_shape, linear="orow", mask="omask", zero="ozero")
-    _and_into(w, "omask", out_ctx.valid(kernel.ext))
-    value = ExprEmitter(w, acc="red").value(kernel.epilogue, out_ctx)
-    _store(w, kernel, value, out_ctx, f"[{br}]")
-    return (cdiv(rows, br), 1, 1), 4, 1
+    return _store_rows(w, kernel, rows, br)
 
 
 def scan(kernel: Kernel, w: Writer):

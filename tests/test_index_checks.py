@@ -25,9 +25,8 @@ import numpy as np
 import pytest
 
 import grace.runtime as rt
-from grace.runtime import driver
 from grace.runtime.errors import IndexOutOfRangeError, InvalidPackageError
-from test_runtime_nogpu import FakeDriver, manifest, write
+from test_runtime_nogpu import fake, manifest, write  # noqa: F401 (fake: a fixture)
 
 ERROR_WORD = 88   # the fake package's table: slots [0, 40) and [48, 88), no symbols
 
@@ -39,14 +38,6 @@ def checked_manifest() -> dict:
                           "where": "model.py:12: return self.emb(x)", "size": 128},
                          {"code": 2, "input": None, "op": "aten.gather", "where": "", "size": 7}]
     return m
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    pytest.importorskip("cuda.bindings.driver")
-    f = FakeDriver()
-    monkeypatch.setattr(driver, "_cu", f)
-    return f
 
 
 def _word(sess) -> int:
