@@ -843,12 +843,13 @@ TEMPLATES = {"pointwise": pointwise, "scatter": scatter, "reduction": reduction,
 
 
 def table_writer_source(slots: list[dict], extents: dict | None = None) -> KernelSource:
-    """The per-call argument-table update: one store per word (slot by slot: pointer, sizes,
-    strides, each slot at its 16-aligned offset; then the size symbols); the parameters carry
+    """The per-call argument-table update: one store per table word, at the position
+    grace.formats.table lays it out (slot by slot, then the size symbols); the parameters carry
     the values."""
-    positions = [s["offset"] // 8 + j for s in slots for j in range(1 + 2 * s["rank"])]
-    if extents:
-        positions += [extents["offset"] // 8 + k for k in range(extents["count"])]
+    from grace.formats.table import word_positions
+
+    positions = word_positions([(s["offset"], s["rank"]) for s in slots],
+                               extents["offset"] if extents else 0, extents["count"] if extents else 0)
     words = len(positions)
     names = ", ".join(f"w{i}" for i in range(words))
     lines = [f"def table_writer(table, {names}):" if words else "def table_writer(table):"]

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grace.formats import table
+
 from .codegen import KernelSource
 from .ir import Buffer, Program
 from .memplan import MemoryPlan
@@ -21,24 +23,18 @@ from .shapes import sym_expr, to_manifest
 
 def table_layout(program: Program, n_symbols: int = 0,
                  errors: bool = False) -> tuple[list[dict], dict, int, dict | None]:
-    """Assign a table slot to each input then each output (u64 pointer, sizes, strides), then the
-    extents: one i64 word per size symbol, then (`errors`: the package has index checks) the
-    error word. Returns (slots, extents, table bytes, `table.errors` or None)."""
-    slots, offset = [], 0
-    for role, bufs in (("input", program.inputs), ("output", program.outputs)):
-        for buf in bufs:
-            buf.slot = len(slots)
-            rank = len(buf.shape)
-            slots.append({"name": buf.name, "role": role, "offset": offset, "rank": rank})
-            offset += (1 + 2 * rank) * 8
-            offset = (offset + 15) // 16 * 16
-    extents = {"offset": offset, "count": n_symbols}
-    offset += 8 * n_symbols
-    error_word = None
-    if errors:   # 8-aligned: the extents start 16-aligned and are int64 words
-        error_word = {"offset": offset}
-        offset += 8
-    return slots, extents, max((offset + 15) // 16 * 16, 16), error_word
+    """Assign a table slot to each input then each output, laid out by `formats.table.pack`: the
+    slots, the extents (one i64 word per size symbol), then (`errors`: the package has index
+    checks) the error word. Returns (slots, extents, table bytes, `table.errors` or None)."""
+    io = [("input", buf) for buf in program.inputs] + [("output", buf) for buf in program.outputs]
+    layout = table.pack([len(buf.shape) for _, buf in io], n_symbols, errors)
+    slots = []
+    for (role, buf), offset in zip(io, layout.slot_offsets):
+        buf.slot = len(slots)
+        slots.append({"name": buf.name, "role": role, "offset": offset, "rank": len(buf.shape)})
+    extents = {"offset": layout.extents_offset, "count": n_symbols}
+    error_word = None if layout.errors_offset is None else {"offset": layout.errors_offset}
+    return slots, extents, layout.nbytes, error_word
 
 
 @dataclass
@@ -67,14 +63,15 @@ def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict,
         return {"region": "state", "offset": plan.state[id(buf)], "nbytes": buf.nbytes,
                 "dtype": buf.dtype}
     if buf.kind == "extents":
-        return {"region": "table", "offset": extents["offset"], "nbytes": 8 * extents["count"],
-                "dtype": "int64"}
+        return {"region": "table", "offset": extents["offset"],
+                "nbytes": table.WORD_NBYTES * extents["count"], "dtype": "int64"}
     if buf.kind == "errors":
         if errors is None:
             raise AssertionError("a kernel checks indices, but the table has no error word")
-        return {"region": "table", "offset": errors["offset"], "nbytes": 8, "dtype": "int64"}
+        return {"region": "table", "offset": errors["offset"], "nbytes": table.WORD_NBYTES,
+                "dtype": "int64"}
     slot = slots[buf.slot]
-    return {"region": "table", "offset": slot["offset"], "nbytes": 8 * (1 + 2 * slot["rank"]),
+    return {"region": "table", "offset": slot["offset"], "nbytes": table.slot_nbytes(slot["rank"]),
             "dtype": "int64"}
 
 
@@ -118,7 +115,7 @@ def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: di
 
 def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, extents,
                  table_nbytes: int, pdl: bool = False, errors: dict | None = None) -> dict:
-    words = sum(1 + 2 * s["rank"] for s in slots) + extents["count"]
+    words = table.word_count((s["rank"] for s in slots), extents["count"])
     nodes = [{"kernel": unique[writer.name], "grid": [1, 1, 1],
               "args": [{"region": "table", "offset": 0, "nbytes": table_nbytes, "dtype": "int64"}]
               + [{"word": i} for i in range(words)],

@@ -34,6 +34,7 @@ from .container import FORMAT_VERSION, check_section_name
 from .dtypes import DTYPES, numel
 from .errors import FormatError, ManifestError
 from .shapes import check_shape_expr, expr_symbols, format_shape_expr
+from .table import SLOT_ALIGN, slot_nbytes, word_count
 
 SLOT_ROLES = ("input", "output")
 REGIONS = ("weights", "arena", "table", "state")
@@ -44,7 +45,6 @@ STATE_INITS = ("zeros", "data")  # zero-filled (no bytes in the file) or a tenso
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 WORD_PARAM_TYPES = ("i64", "i32")  # a {"word": i} argument is an integer scalar
 WEIGHT_ALIGN = 256  # weights and state entries alike
-SLOT_ALIGN = 16
 MAX_RANK = 64
 SYMBOL_KINDS = ("input", "data")
 EXTENTS_ALIGN = 8  # symbol values are int64 table words
@@ -183,6 +183,7 @@ def validate_manifest(manifest, section_names=None) -> None:
                  lambda d, p, i, dim: _input_dim(d, p, i, dim, symbols))
     outputs = _io(m, "outputs", "output", slots, io_slots,
                   lambda d, p, i, dim: _output_dim(d, p, dim, symbols))
+    _slots_owned(slots, io_slots)
     _index_checks(m, inputs, symbols)
     _symbol_sources(symbols, inputs)
     _weights(m, regions, section_names)
@@ -192,14 +193,6 @@ def validate_manifest(manifest, section_names=None) -> None:
     graphs = _graphs(m, kernels, regions, words, symbols)
     if "generate" in m:
         _generate(m["generate"], inputs, outputs, state, len(graphs), kernels, regions, words)
-
-
-def validated_symbols(manifest: dict) -> dict[str, Symbol]:
-    """The symbols of a manifest that passed `validate_manifest`, by name, in declaration order.
-
-    For the runtime and tools, so they read symbols through the same parsing the validator used.
-    """
-    return _symbols(manifest)
 
 
 def _regions(m: dict) -> dict:
@@ -253,13 +246,14 @@ def _sources(v, path: str) -> tuple:
 
 
 def _table(m: dict, regions: dict, n_symbols: int) -> tuple[list, int]:
-    """Return the slots and the number of table words: 1 + 2*rank per slot, then one per symbol."""
+    """Return the slots and the number of table words (formats.table: the slots' words, then one
+    per symbol)."""
     table = _dict(_get(m, "table", "manifest"), "table")
     nbytes = _int(_get(table, "nbytes", "table"), "table.nbytes", lo=0)
     if nbytes != regions["table"]:
         _fail("table.nbytes", f"{nbytes} differs from regions.table ({regions['table']})")
     slots = _list(_get(table, "slots", "table"), "table.slots")
-    spans, words = [], 0
+    spans = []
     for i, s in enumerate(slots):
         p = f"table.slots[{i}]"
         _dict(s, p)
@@ -271,15 +265,14 @@ def _table(m: dict, regions: dict, n_symbols: int) -> tuple[list, int]:
         if off % SLOT_ALIGN:
             _fail(f"{p}.offset", f"{off} is not {SLOT_ALIGN}-aligned")
         rank = _int(_get(s, "rank", p), f"{p}.rank", lo=0, hi=MAX_RANK)
-        end = off + 8 * (1 + 2 * rank)
+        end = off + slot_nbytes(rank)
         if end > nbytes:
             _fail(p, f"slot bytes [{off}, {end}) exceed the table ({nbytes} bytes)")
         spans.append((off, end, p))
-        words += 1 + 2 * rank
     _no_overlap(spans, "slot")
     ext_span = _extents(table, nbytes, n_symbols, spans)
     _errors_word(table, nbytes, spans + [ext_span])
-    return slots, words + n_symbols
+    return slots, word_count((s["rank"] for s in slots), n_symbols)
 
 
 def _extents(table: dict, nbytes: int, n_symbols: int, slot_spans: list) -> None:
@@ -372,6 +365,13 @@ def _io(m: dict, key: str, role: str, slots: list, io_slots: dict, check_dim) ->
             _fail(f"{p}.slot", f"slot {slot} is already used by {io_slots[slot]}")
         io_slots[slot] = p
     return entries
+
+
+def _slots_owned(slots: list, io_slots: dict) -> None:
+    """Every slot describes one input or output: a runtime has no tensor to fill another with."""
+    for i in range(len(slots)):
+        if i not in io_slots:
+            _fail(f"table.slots[{i}]", "belongs to no input or output")
 
 
 def _input_dim(d, path: str, index: int, dim: int, symbols: dict) -> None:

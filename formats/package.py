@@ -9,6 +9,7 @@ reader refuses.
 
 from __future__ import annotations
 
+import functools
 import io
 import mmap
 import os
@@ -19,6 +20,7 @@ import msgpack
 from .container import COMPANION_PREFIX, FORMAT_VERSION, Container, parse_container, write_container
 from .errors import FormatError, ManifestError
 from .manifest import validate_manifest
+from .view import Manifest, build_view
 from .weights import TensorBlob, decode_weights
 
 _MAX_MANIFEST = 256 * 1024 * 1024
@@ -96,6 +98,20 @@ def write_package(path, manifest: dict, sections: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".grace", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
+            # mkstemp makes the file 0600; a package gets the mode open() would have given it:
+            # 0666 less the umask (0644 usually). The umask comes from /proc where it can: reading
+            # it with os.umask sets it too, for a moment, for every thread of the process.
+            umask = None
+            try:
+                with open("/proc/self/status", encoding="ascii") as status:
+                    umask = next((int(ln.split()[1], 8) for ln in status if ln.startswith("Umask:")),
+                                 None)
+            except (OSError, ValueError, IndexError):
+                pass
+            if umask is None:
+                umask = os.umask(0o022)
+                os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             write_container(f, blob, sections)
             f.flush()
             os.fsync(f.fileno())
@@ -143,6 +159,11 @@ class Package:
         self.format_version = container.version
         self.manifest = manifest
         self._sections = {s.name: s for s in container.sections}
+
+    @functools.cached_property
+    def view(self) -> Manifest:
+        """The typed, defaults-filled view of the manifest (formats.view), built on first use."""
+        return build_view(self.manifest)
 
     @property
     def section_names(self) -> list[str]:

@@ -9,15 +9,18 @@ executor (grace.tools.interpret) uses the same class, so both report the same me
 
 from __future__ import annotations
 
+from grace.formats.view import as_view
+
 from .errors import IndexOutOfRangeError, InvalidPackageError
 
 
 class IndexChecks:
-    """`offset`: the error word's byte offset in the table; `by_code`: code -> its index_checks entry."""
+    """`offset`: the error word's byte offset in the table; `by_code`: code -> its index check
+    (a formats.view.IndexCheck)."""
 
     def __init__(self, offset: int, checks):
         self.offset = int(offset)
-        self.by_code = {int(c["code"]): c for c in checks}
+        self.by_code = {int(c.code): c for c in checks}
 
     def error(self, code: int, values: dict | None = None) -> Exception:
         """The error for a nonzero error word. `values` ({symbol name: value}, optional) turns a
@@ -27,9 +30,9 @@ class IndexChecks:
             return InvalidPackageError(
                 f"the table's error word holds {code}, which no index check of the package lists "
                 f"(codes {sorted(self.by_code)}): a kernel of the package is wrong")
-        name, op, where = check.get("input"), check.get("op"), check.get("where")
+        name, op, where = check.input, check.op, check.where
         who = f"input {name!r}" if name is not None else "an index computed in the model"
-        size = _size_text(check.get("size"), values)
+        size = _size_text(check.size, values)
         neg = size if size.isidentifier() or size.isdigit() else f"({size})"
         at = f" ({where})" if where else ""
         return IndexOutOfRangeError(
@@ -38,12 +41,13 @@ class IndexChecks:
 
 
 def plan_index_checks(manifest) -> IndexChecks | None:
-    """The package's index checks, or None when it has none (no word to read)."""
-    checks = manifest.get("index_checks") or []
-    errors = (manifest.get("table") or {}).get("errors")
-    if not checks or errors is None:
+    """The package's index checks, or None when it has none (no word to read; checks without a
+    `table.errors` word do not pass validation). `manifest`: a formats.view.Manifest, or a
+    manifest dict (validated first)."""
+    m = as_view(manifest)
+    if not m.index_checks:
         return None
-    return IndexChecks(errors["offset"], checks)
+    return IndexChecks(m.table.errors_offset, m.index_checks)
 
 
 def _size_text(size, values) -> str:

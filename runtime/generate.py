@@ -1,9 +1,9 @@
 """generate(): what the runtime needs to drive a causal LM package (docs/design-state.md).
 
-    GeneratePlan(manifest, state_entries)   pure; run by load() for a package with a `generate` map.
-                                            Checks the map (inputs, output, state entries, decode
-                                            graph) and plans the step node like a graph node
-                                            (graph.plan_node, no arena of its own).
+    GeneratePlan(view, state_entries)       pure; run by load() for a package with a `generate` map
+                                            (grace.formats has checked it): the inputs, output and
+                                            state entries it names, and the step node planned like
+                                            a graph node (graph.plan_node).
     plan.check(prompt, max_new, eos)        the generate() arguments -> (prompt int64 [P], ctrl
                                             int64[4]), InputError naming the limit before anything
                                             runs.
@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from grace.formats.view import as_view
+
 from .errors import GraceRuntimeError, InputError, InvalidPackageError
-from .graph import node_regions, plan_node, table_word_count
+from .graph import plan_node
 
 SET_CONDITION_NAME = "grace_set_condition"
 
@@ -49,57 +51,40 @@ COUNT, LIMIT, EOS, DONE = range(4)
 
 
 class GeneratePlan:
-    """The checked `generate` map. Attributes: `tokens`, `positions` (input indices), `capacity`,
-    `decode_graph`, `step` (NodePlan), `ctrl`, `out_tokens`, `next_token`, `next_position`
-    (StateEntry), `prompt_limit` ((lo, hi, what) for P), `vocab` (the logits' last dim or None)."""
+    """The `generate` map, for the runtime. Attributes: `tokens`, `positions` (input indices),
+    `capacity`, `decode_graph`, `step` (NodePlan), `ctrl`, `out_tokens`, `next_token`,
+    `next_position` (StateEntry), `prompt_limit` ((lo, hi, what) for P), `vocab` (the logits' last
+    dim or None). `manifest`: a formats.view.Manifest, or a manifest dict (validated first);
+    `state_entries`: its state.StateEntry list."""
 
     def __init__(self, manifest, state_entries):
-        gen = manifest["generate"]
-        inputs = [t["name"] for t in manifest["inputs"]]
-        if sorted(inputs) != sorted([gen["tokens"], gen["positions"]]):
+        m = as_view(manifest)
+        gen = m.generate
+        inputs = [t.name for t in m.inputs]
+        if sorted(inputs) != sorted([gen.tokens, gen.positions]):   # all generate() can feed
             raise InvalidPackageError(f"generate: the package's inputs are {inputs}, but generate() feeds "
-                                      f"exactly tokens={gen['tokens']!r} and positions={gen['positions']!r}")
-        self.tokens, self.positions = inputs.index(gen["tokens"]), inputs.index(gen["positions"])
-        self._specs = manifest["inputs"]
-        self.vocab = self._vocab(manifest, gen.get("logits"))
-        self.capacity = gen["capacity"]
-        if not isinstance(self.capacity, int) or self.capacity < 1:
-            raise InvalidPackageError(f"generate: capacity {self.capacity!r} must be an int >= 1")
-        self.decode_graph = gen["decode_graph"]
-        if not 0 <= self.decode_graph < len(manifest["graphs"]):
-            raise InvalidPackageError(f"generate: decode_graph {self.decode_graph} is not a graph of the "
-                                      f"package ({len(manifest['graphs'])} graphs)")
-        self.step = plan_node(manifest, gen["step"], 0, f"generate step ({gen['step'].get('label', '?')})",
-                              node_regions(manifest, arena=0), table_word_count(manifest))
+                                      f"exactly tokens={gen.tokens!r} and positions={gen.positions!r}")
+        self.tokens, self.positions = inputs.index(gen.tokens), inputs.index(gen.positions)
+        self._specs = m.inputs
+        logits = next(t for t in m.outputs if t.name == gen.logits).shape
+        self.vocab = logits[-1] if logits and isinstance(logits[-1], int) else None
+        self.capacity = gen.capacity
+        self.decode_graph = gen.decode_graph
+        self.step = plan_node(m.kernels, gen.step, 0, f"generate step ({gen.step.label or '?'})")
         by_name = {e.name: e for e in state_entries}
-        self.ctrl = _int64_state(by_name, gen, "ctrl", 4)
-        self.out_tokens = _int64_state(by_name, gen, "out_tokens", self.capacity)
-        self.next_token = _int64_state(by_name, gen, "next_token", 1)
-        self.next_position = _int64_state(by_name, gen, "next_position", 1)
-        self.prompt_limit = self._prompt_limit(manifest)
+        self.ctrl, self.out_tokens = by_name[gen.ctrl], by_name[gen.out_tokens]
+        self.next_token, self.next_position = by_name[gen.next_token], by_name[gen.next_position]
+        self.prompt_limit = self._prompt_limit(m.symbols)
 
-    @staticmethod
-    def _vocab(manifest, logits):
-        if logits is None:
-            return None
-        outputs = {t["name"]: t for t in manifest["outputs"]}
-        if logits not in outputs:
-            raise InvalidPackageError(f"generate: logits {logits!r} is not an output of the package "
-                                      f"({list(outputs)})")
-        shape = outputs[logits]["shape"]
-        return shape[-1] if shape and isinstance(shape[-1], int) else None
-
-    def _prompt_limit(self, manifest):
+    def _prompt_limit(self, symbols):
         """(lo, hi, what): the prompt lengths the tokens input's last dim allows."""
         spec = self._specs[self.tokens]
-        if not spec["shape"]:
-            raise InvalidPackageError(f"generate: tokens input {spec['name']!r} is a scalar")
-        dim = spec["shape"][-1]
+        dim = spec.shape[-1]
         if isinstance(dim, int):
-            return dim, dim, f"input {spec['name']!r} has a static length of {dim}"
-        symbol = next(s for s in manifest["symbols"] if s["name"] == dim)
-        return (symbol["min"], symbol["max"],
-                f"symbol {dim!r} (the length of input {spec['name']!r}) is in [{symbol['min']}, {symbol['max']}]")
+            return dim, dim, f"input {spec.name!r} has a static length of {dim}"
+        symbol = next(s for s in symbols if s.name == dim)
+        return (symbol.min, symbol.max,
+                f"symbol {dim!r} (the length of input {spec.name!r}) is in [{symbol.min}, {symbol.max}]")
 
     # ------------------------------------------------------------------------------ per call
     def input_shapes(self, length: int) -> list:
@@ -107,15 +92,15 @@ class GeneratePlan:
         `length` in their last dim and 1 in any leading dim ([1, P] and [P] for the usual LM)."""
         shapes = [None] * len(self._specs)
         for i in (self.tokens, self.positions):
-            shapes[i] = (1,) * (len(self._specs[i]["shape"]) - 1) + (length,)
+            shapes[i] = (1,) * (len(self._specs[i].shape) - 1) + (length,)
         return shapes
 
     def prefill_inputs(self, prompt: np.ndarray) -> dict:
         """{input name: numpy array} of the prefill run: the prompt and positions 0..P-1."""
         shapes = self.input_shapes(len(prompt))
         tokens, positions = self._specs[self.tokens], self._specs[self.positions]
-        return {tokens["name"]: prompt.astype(tokens["dtype"]).reshape(shapes[self.tokens]),
-                positions["name"]: np.arange(len(prompt), dtype=positions["dtype"]).reshape(shapes[self.positions])}
+        return {tokens.name: prompt.astype(tokens.dtype).reshape(shapes[self.tokens]),
+                positions.name: np.arange(len(prompt), dtype=positions.dtype).reshape(shapes[self.positions])}
 
     def check(self, prompt_ids, max_new_tokens, eos_token_id) -> tuple:
         """(prompt as int64 [P], ctrl int64[4]) or InputError, before anything is enqueued."""
@@ -140,20 +125,6 @@ class GeneratePlan:
             raise InputError(f"generate: eos_token_id must be None or an int >= 0, got {eos_token_id!r}")
         eos = -1 if eos_token_id is None else int(eos_token_id)
         return prompt, np.array([0, max_new, eos, 0], dtype=np.int64)
-
-
-def _int64_state(by_name, gen, key, numel):
-    name = gen[key]
-    entry = by_name.get(name)
-    if entry is None:
-        raise InvalidPackageError(f"generate: {key} {name!r} is not a state entry of the package")
-    n = 1
-    for d in entry.shape:
-        n *= d
-    if entry.dtype != "int64" or n != numel:
-        raise InvalidPackageError(f"generate: {key} {name!r} is {entry.dtype}{list(entry.shape)}, "
-                                  f"expected {numel} int64 values")
-    return entry
 
 
 def _prompt_array(prompt_ids) -> np.ndarray:

@@ -1,14 +1,15 @@
 """The package's CUDA graphs, built node by node from the manifest (no stream capture).
 
-    plan_graph(manifest, i)          pure; run by load() for every graph. Checks graphs[i] against
-                                     kernels, regions (the arena as far as this graph's `arena`) and
-                                     the table, and turns every node into a NodePlan.
+    plan_graph(view, i)              pure; run by load() for every graph: each node of graphs[i] as a
+                                     NodePlan. The manifest passed grace.formats' checks (every
+                                     argument inside its region, this graph's arena, the table words);
+                                     what is left is what this runtime can run (no scratch memory).
     param_values(plan, bases, words) pure; the 8-byte value of each kernel parameter of one node.
     ExecutableGraph(plans, ...)      driver; cuGraphCreate, cuGraphAddKernelNode per node,
                                      cuGraphInstantiate. Per call, launch(words): the table words go
                                      into the parameter cells of the nodes that take them (the table
                                      writer), one cuGraphExecKernelNodeSetParams each, cuGraphLaunch.
-    plan_node(...)                   the check of one node, shared by plan_graph and the generate
+    plan_node(...)                   one node as a NodePlan, shared by plan_graph and the generate
                                      step (runtime/generate.py).
     GenerationGraph(...)             driver; generate()'s token loop as one graph with a WHILE
                                      conditional node (docs/design-state.md).
@@ -21,7 +22,7 @@ How they reach the driver: CUDA_KERNEL_NODE_PARAMS.kernelParams is a `void**`, o
 parameter to that parameter's value. cuda-bindings 13.3.1 accepts a plain int there and uses it as an
 already built `void**` (cuda/bindings/_lib/utils.pxi, `_HelperKernelParams`: "user gave us an already
 configured void** address"). So each node owns a ParamBlock: one 8-byte cell per parameter (pointers
-and i64 words alike; a 4-byte int would read the low half, little-endian) and a `void*[]` pointing at
+and i64 words alike; an i32 parameter reads the low half, little-endian) and a `void*[]` pointing at
 the cells. The driver copies the values when a node is added and on every SetParams, so the table
 writer's cells are simply rewritten in place before each call (slice assignments, precomputed as
 runs of consecutive words), with no Python objects rebuilt.
@@ -31,17 +32,18 @@ from __future__ import annotations
 
 import ctypes
 
+from grace.formats import table
+from grace.formats.view import as_view
+
 from . import driver
 from .driver import call, check
-from .errors import InvalidPackageError, PackageMismatchError
+from .errors import PackageMismatchError
 
-REGIONS = ("weights", "arena", "table", "state")  # what a {"region": ...} argument may name
-INT_PARAM_TYPES = {"i64", "u64", "i32", "u32"}
 _U64 = (1 << 64) - 1
 
 
 class NodePlan:
-    """One kernel node, checked: which kernel, launch shape, and where each parameter comes from."""
+    """One kernel node: which kernel, launch shape, and where each parameter comes from."""
 
     __slots__ = ("index", "where", "kernel", "grid", "block", "shared", "args", "deps",
                  "programmatic")
@@ -59,107 +61,34 @@ class NodePlan:
 
 
 def table_word_count(manifest) -> int:
-    """Slot words (1 + 2*rank per slot), then one word per symbol."""
-    return sum(1 + 2 * slot["rank"] for slot in manifest["table"]["slots"]) + len(manifest["symbols"])
-
-
-def graph_regions(manifest, graph_index: int) -> dict:
-    """The bytes of each region graph `graph_index` may touch: its own `arena` (the arena region is
-    the largest of them, shared by all graphs of a session), the whole weights, table and state."""
-    regions = node_regions(manifest, arena=None)
-    graph = manifest["graphs"][graph_index]
-    arena = graph["arena"]
-    if not 0 <= arena <= regions["arena"]:
-        raise InvalidPackageError(f"graph {graph.get('name', graph_index)!r} uses {arena} bytes of arena, "
-                                  f"but the arena region has {regions['arena']}")
-    regions["arena"] = arena
-    return regions
-
-
-def node_regions(manifest, arena=None) -> dict:
-    """{region: bytes} a node may address: `regions` of the manifest, `state` 0 when the package
-    has none (format 2.x), and the arena limited to `arena` bytes when given (the generate step node
-    gets 0: it has no arena of its own)."""
-    regions = {name: manifest["regions"].get(name, 0) for name in REGIONS}
-    if arena is not None:
-        regions["arena"] = arena
-    return regions
+    """The table words of a validated manifest dict: the slots' words, then one per symbol."""
+    return table.word_count((slot["rank"] for slot in manifest["table"]["slots"]), len(manifest["symbols"]))
 
 
 def plan_graph(manifest, graph_index: int = 0) -> list:
-    """Check one graph of the manifest and return its NodePlans (in execution order)."""
-    graphs = manifest.get("graphs") or []
-    if not graphs:
-        raise InvalidPackageError("the package contains no graph")
-    graph = graphs[graph_index]
-    regions = graph_regions(manifest, graph_index)
-    n_words = table_word_count(manifest)
-    name = graph.get("name", graph_index)
-    return [plan_node(manifest, node, i, f"graph {name!r} node {i} ({node.get('label', '?')})", regions, n_words)
-            for i, node in enumerate(graph["nodes"])]
+    """Graph `graph_index`'s NodePlans, in execution order. `manifest`: a formats.view.Manifest
+    (load() passes the package's), or a manifest dict, validated first (ManifestError)."""
+    m = as_view(manifest)
+    graph = m.graphs[graph_index]
+    return [plan_node(m.kernels, node, i, f"graph {graph.name!r} node {i} ({node.label or '?'})")
+            for i, node in enumerate(graph.nodes)]
 
 
-def plan_node(manifest, node, index: int, where: str, regions: dict, n_words: int) -> NodePlan:
-    """Check one node (a graph's, or the generate step) and return its NodePlan: the kernel exists
-    and needs no scratch memory, one argument per parameter, every region argument inside `regions`,
-    every table word in range, deps on earlier nodes only, a valid grid."""
-    kernels = manifest["kernels"]
-    k = node["kernel"]
-    if not 0 <= k < len(kernels):
-        raise InvalidPackageError(f"{where}: kernel index {k} is out of range ({len(kernels)} kernels)")
-    kernel = kernels[k]
-    if kernel.get("global_scratch_size", 0) or kernel.get("profile_scratch_size", 0):
+def plan_node(kernels, node, index: int, where: str) -> NodePlan:
+    """One node (a graph's, or the generate step) of a validated manifest as a NodePlan: its
+    arguments as ("region", name, offset) | ("word", i), then the kernel's hidden parameters as
+    ("zero",). `kernels`: the view's kernels. PackageMismatchError for a kernel that needs Triton's
+    scratch memory, which this runtime does not provide."""
+    kernel = kernels[node.kernel]
+    if kernel.global_scratch_size or kernel.profile_scratch_size:
         raise PackageMismatchError(
-            f"{where}: kernel {kernel['name']} needs Triton global/profile scratch memory "
-            f"({kernel.get('global_scratch_size', 0)}/{kernel.get('profile_scratch_size', 0)} bytes), "
+            f"{where}: kernel {kernel.name} needs Triton global/profile scratch memory "
+            f"({kernel.global_scratch_size}/{kernel.profile_scratch_size} bytes), "
             "which this runtime does not provide yet")
-    params, args = kernel["params"], node["args"]
-    if len(args) != len(params):
-        raise InvalidPackageError(f"{where}: {len(args)} arguments for the {len(params)} parameters "
-                                  f"of kernel {kernel['name']}")
-    plan_args = [_plan_arg(where, p, a, regions, n_words) for p, a in zip(params, args)]
-    # Optional in SPEC.md §3 and §5: absent means the kernel has no hidden parameters (the compiler
-    # writes Triton 3.6's 2 explicitly).
-    plan_args += [("zero",)] * kernel.get("hidden_params", 0)
-    deps = tuple(node.get("deps", ()))
-    for d in deps:
-        if not 0 <= d < index:
-            raise InvalidPackageError(f"{where}: depends on node {d}, which does not come before it")
-    programmatic = tuple(node.get("programmatic", ()))
-    if not set(programmatic) <= set(deps) - {0}:
-        raise InvalidPackageError(f"{where}: programmatic deps {list(programmatic)} must be deps "
-                                  f"other than the table writer (deps {list(deps)})")
-    grid = tuple(node["grid"])
-    if len(grid) != 3 or not all(isinstance(g, int) and g >= 1 for g in grid):
-        raise InvalidPackageError(f"{where}: grid {list(grid)} must be three positive ints")
-    return NodePlan(index, where, k, grid, 32 * kernel["num_warps"], kernel["shared"], tuple(plan_args), deps,
-                    programmatic)
-
-
-def _plan_arg(where, param, arg, regions, n_words):
-    name, ptype = param["name"], param["type"]
-    if "region" in arg:
-        region = arg["region"]
-        if region not in REGIONS:
-            raise PackageMismatchError(f"{where}: parameter {name} points into region {region!r}, "
-                                       f"which this runtime does not support (it has {', '.join(REGIONS)})")
-        if not ptype.startswith("*"):
-            raise InvalidPackageError(f"{where}: parameter {name} has type {ptype} but gets a pointer")
-        offset, nbytes = arg["offset"], arg.get("nbytes", 0)
-        if offset < 0 or nbytes < 0 or offset + nbytes > regions[region]:
-            limit = "this graph's arena" if region == "arena" else f"region {region}"
-            raise InvalidPackageError(f"{where}: parameter {name} covers [{offset}, {offset + nbytes}) "
-                                      f"of region {region}, but {limit} has {regions[region]} bytes")
-        return ("region", region, offset)
-    if "word" in arg:
-        word = arg["word"]
-        if ptype not in INT_PARAM_TYPES:
-            raise InvalidPackageError(f"{where}: parameter {name} has type {ptype} but gets table word {word}")
-        if not 0 <= word < n_words:
-            raise InvalidPackageError(f"{where}: parameter {name} reads table word {word}, but the "
-                                      f"table has {n_words} words")
-        return ("word", word)
-    raise InvalidPackageError(f"{where}: parameter {name}: unknown argument {arg!r}")
+    args = tuple(("word", a.word) if a.word is not None else ("region", a.region, a.offset)
+                 for a in node.args)
+    return NodePlan(index, where, node.kernel, node.grid, 32 * kernel.num_warps, kernel.shared,
+                    args + (("zero",),) * kernel.hidden_params, node.deps, node.programmatic)
 
 
 def param_values(plan: NodePlan, bases: dict, words) -> tuple:

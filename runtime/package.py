@@ -1,15 +1,18 @@
 """load(): from a `.grace` file to kernels on the GPU and weights in device memory.
 
-    read      grace.formats.read_package: magic, versions, sha256 of every section, manifest schema
-    check     symbols, buckets and shape expressions (shapes.ShapePlan); every graph's kernel
-              arguments against their regions, its own arena and the table (graph.plan_graph)
+    read      grace.formats.read_package: magic, versions, sha256 of every section, the manifest
+              schema and every cross-reference. That is the package's only check: the runtime
+              reads the manifest through grace.formats.view and refuses only what it cannot run
+              (kernels that need Triton scratch memory, a GPU no binary is built for)
+    plan      symbols, buckets and shape expressions (shapes.ShapePlan); every graph's nodes as
+              kernel launches (graph.plan_graph)
     device    cuInit, primary context; the GPU's arch picks the kernel binaries (PackageMismatchError)
     kernels   cuModuleLoadData + cuModuleGetFunction per kernel; opt in to >48 KiB shared memory
     weights   one cuMemAlloc for the weights region; each tensor copied to base + offset from the
               mapped file, its pages registered (pinned) for the copies (upload.py)
-    state     the `state` entries checked and their initial bytes decoded once (state.plan_state);
-              every session allocates and initialises its own copy
-    generate  with a `generate` map: its step node and state entries checked (generate.GeneratePlan);
+    state     the `state` entries and their initial bytes, decoded once (state.plan_state); every
+              session allocates and initialises its own copy
+    generate  with a `generate` map: its step node and state entries (generate.GeneratePlan);
               the runtime's set_condition kernel is JIT-loaded from PTX on the first generate()
 
 Everything that depends on a call (arena, table, outputs, graphs, stream) belongs to a Session.
@@ -22,7 +25,8 @@ from __future__ import annotations
 import re
 import time
 import weakref
-from typing import NamedTuple
+
+from grace.formats.view import TensorSpec
 
 from . import driver, graph
 from .driver import call
@@ -35,15 +39,6 @@ from .upload import upload
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024  # above this a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)
 INSTANTIATE_MODES = ("lazy", "eager")
-
-
-class TensorSpec(NamedTuple):
-    """One input or output of the package. `shape` is the declared shape: per dim a size, a symbol
-    name, or (outputs) a shape expression such as ["+", "n", 1]."""
-    name: str
-    dtype: str
-    shape: tuple
-    slot: int
 
 
 def pick_arch(capability: tuple, archs) -> str:
@@ -65,25 +60,6 @@ def pick_arch(capability: tuple, archs) -> str:
     raise PackageMismatchError(
         f"this package has kernels for {', '.join(archs) or 'no arch'}, but the GPU is {exact}; "
         f"compile the model again for {exact}")
-
-
-def _check_slots(manifest, specs) -> None:
-    """Inputs and outputs cover the table slots exactly, with the slots' ranks, and each slot fits
-    in the table region."""
-    slots = manifest["table"]["slots"]
-    owner = [None] * len(slots)
-    for spec in specs:
-        if not 0 <= spec.slot < len(slots) or owner[spec.slot] is not None:
-            raise InvalidPackageError(f"{spec.name!r} uses table slot {spec.slot}, which is out of range or taken")
-        slot = slots[spec.slot]
-        if slot["rank"] != len(spec.shape):
-            raise InvalidPackageError(f"{spec.name!r} has rank {len(spec.shape)} but table slot {spec.slot} "
-                                      f"has rank {slot['rank']}")
-        if slot["offset"] + 8 * (1 + 2 * slot["rank"]) > manifest["regions"]["table"]:
-            raise InvalidPackageError(f"table slot {spec.slot} ({spec.name!r}) ends past the table region")
-        owner[spec.slot] = spec.name
-    if None in owner:
-        raise InvalidPackageError(f"table slot {owner.index(None)} belongs to no input or output")
 
 
 def _check_instantiate(mode) -> None:
@@ -110,6 +86,8 @@ def load(path, device: int = 0, instantiate: str = "lazy", pdl: bool = True) -> 
 class LoadedPackage:
     """A package on one GPU: kernels loaded, weights uploaded. Make Sessions to run it.
 
+    `package`: a grace.formats Package (read_package). `view`: its manifest as a
+    grace.formats.view.Manifest; `manifest`: the manifest dict itself.
     `inputs` / `outputs`: lists of TensorSpec (name, dtype, shape, slot) in manifest order.
     `graph_names`: one per bucket; `plans[i]`: graph i's NodePlans; `shapes`: the ShapePlan.
     `state`: the StateEntry list (empty for a stateless package); `generate`: the GeneratePlan, or
@@ -125,25 +103,23 @@ class LoadedPackage:
         self._modules, self.functions, self.weights_ptr = [], [], None
         self._set_condition = None  # (module, function), loaded on the first generate()
         self._sessions = weakref.WeakSet()
-        manifest = package.manifest
-        self.manifest = manifest
-        self.inputs = [TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["slot"]) for t in manifest["inputs"]]
-        self.outputs = [TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), t["slot"]) for t in manifest["outputs"]]
-        # A bad package fails here, before the GPU is touched.
-        _check_slots(manifest, self.inputs + self.outputs)
-        self.shapes = ShapePlan(manifest)
+        self.manifest = package.manifest
+        self.view = view = package.view   # read_package validated it: nothing is checked twice
+        self.inputs, self.outputs = list(view.inputs), list(view.outputs)
+        # What this runtime cannot run fails here, before the GPU is touched.
+        self.shapes = ShapePlan(view)
         self.graph_names = self.shapes.graph_names
-        self.plans = [graph.plan_graph(manifest, i) for i in range(len(manifest["graphs"]))]
-        self.extents_offset = manifest["table"]["extents"]["offset"]  # symbol k: 8 bytes at + 8k
-        self.index_checks = plan_index_checks(manifest)  # None: the package has no error word
-        self.state = plan_state(manifest, package)
-        self.generate = GeneratePlan(manifest, self.state) if manifest.get("generate") else None
+        self.plans = [graph.plan_graph(view, i) for i in range(len(view.graphs))]
+        self.extents_offset = view.table.extents_offset  # symbol k: 8 bytes at + 8k
+        self.index_checks = plan_index_checks(view)  # None: the package has no error word
+        self.state = plan_state(package)
+        self.generate = GeneratePlan(view, self.state) if view.generate else None
         self.load_stats = {}
         self.device = driver.Device(device)
         # programmatic edges need sm_90 (griddepcontrol); full edges are always a correct stand-in
         self.pdl = bool(pdl) and self.device.capability >= (9, 0)
         try:
-            self.arch = pick_arch(self.device.capability, manifest["archs"])
+            self.arch = pick_arch(self.device.capability, view.archs)
             t0 = time.perf_counter()
             self._load_kernels(package)
             t1 = time.perf_counter()
@@ -156,44 +132,31 @@ class LoadedPackage:
     # --- loading
     def _load_kernels(self, package) -> None:
         cu = driver.cuda()
-        for kernel in self.manifest["kernels"]:
-            section = kernel["binaries"].get(self.arch)
-            if section is None:
-                raise PackageMismatchError(f"kernel {kernel['name']} has no binary for {self.arch}")
+        for kernel in self.view.kernels:
+            section = kernel.binaries[self.arch]   # every kernel has a binary for every arch
             module = call(cu.cuModuleLoadData, bytes(package.section(section)))
             self._modules.append(module)
             try:
-                function = call(cu.cuModuleGetFunction, module, kernel["name"].encode())
+                function = call(cu.cuModuleGetFunction, module, kernel.name.encode())
             except GraceRuntimeError as e:
-                raise InvalidPackageError(f"kernel {kernel['name']}: entry point not found in {section} ({e})") from None
-            if kernel["shared"] > _DEFAULT_SHARED_LIMIT:
+                raise InvalidPackageError(f"kernel {kernel.name}: entry point not found in {section} ({e})") from None
+            if kernel.shared > _DEFAULT_SHARED_LIMIT:
                 call(cu.cuFuncSetAttribute, function,
-                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel["shared"])
+                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.shared)
             self.functions.append(function)
 
     def _upload_weights(self, package) -> None:
-        weights = self.manifest["weights"]
-        size = self.manifest["regions"]["weights"]
-        self.weights_ptr = driver.mem_alloc(size)
+        """Each weight to base + its offset. read_package has checked that every entry lies in the
+        weights region and is a tensor of the `weights` section with the entry's dtype and shape."""
+        weights = self.view.weights
+        self.weights_ptr = driver.mem_alloc(self.view.regions["weights"])
         if not weights:
             return
         from grace.formats import decode_weights
 
         section = package.section("weights")
         tensors = decode_weights(section)
-        copies = []
-        for w in weights:
-            name = w["name"]
-            if name not in tensors:
-                raise InvalidPackageError(f"weight {name!r} is in the manifest but not in the weights section")
-            dtype, shape, data = tensors[name]
-            if dtype != w["dtype"] or tuple(shape) != tuple(w["shape"]) or len(data) != w["nbytes"]:
-                raise InvalidPackageError(f"weight {name!r}: the weights section has {dtype}{list(shape)}, "
-                                          f"the manifest {w['dtype']}{list(w['shape'])} ({w['nbytes']} bytes)")
-            if w["offset"] < 0 or w["offset"] + w["nbytes"] > size:
-                raise InvalidPackageError(f"weight {name!r} at [{w['offset']}, {w['offset'] + w['nbytes']}) "
-                                          f"lies outside the weights region ({size} bytes)")
-            copies.append((self.weights_ptr + w["offset"], data))  # a view of the package bytes
+        copies = [(self.weights_ptr + w.offset, tensors[w.name][2]) for w in weights]  # views of the file
         info = upload(copies, section)
         self.load_stats.update(weights_nbytes=info["bytes"], upload=info["method"])
 
@@ -260,7 +223,7 @@ class LoadedPackage:
             pass  # interpreter shutdown: the driver may already be gone
 
     def __repr__(self) -> str:
-        name = self.manifest.get("model", {}).get("name", "?")
+        name = self.view.model.get("name", "?")
         arch = getattr(self, "arch", "?")
-        return (f"LoadedPackage({name!r}, {len(self.manifest['kernels'])} kernels, "
+        return (f"LoadedPackage({name!r}, {len(self.view.kernels)} kernels, "
                 f"{len(self.plans)} graph(s), {arch} on {self.device})")

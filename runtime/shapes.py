@@ -11,20 +11,25 @@ caller's input shapes; data symbols are computed by a kernel on the device. Per 
 or all of it at once, `plan.prepare(input_shapes)` -> Call(values, graph, output shapes, words with
 the data pointers left 0), which is what run() uses.
 
-`ShapePlan(manifest)` does the dict walking once, at load: per input the (dim, symbol) pairs to read
+`ShapePlan(view)` does the manifest walking once, at load: per input the (dim, symbol) pairs to read
 and the static dims to compare, per graph its bounds in selection order, per output its dims compiled
 to ints or closures over the values list. Per call, the input shapes are checked every time, but
 everything after that depends only on the symbol values, so `prepare` caches it by the values tuple:
 a call whose sizes were seen before costs one resolve, one dict lookup and a list copy. run() has a
-host budget of a few microseconds. The manifest is trusted to have passed grace.formats' validation
-(symbols, sources, buckets, expressions); the arithmetic of shape expressions is grace.formats.shapes'
-(Python ints: `//` floors), compiled here to list indexing instead of a name -> value dict per call.
+host budget of a few microseconds. The manifest has passed grace.formats' validation (symbols,
+sources, buckets, expressions; formats.view); the arithmetic of shape expressions is
+grace.formats.shapes' (Python ints: `//` floors), compiled here to list indexing instead of a
+name -> value dict per call. The table words are laid out by grace.formats.table.
 """
 
 from __future__ import annotations
 
 import operator
 from typing import NamedTuple
+
+from grace.formats.shapes import expr_symbols, format_shape_expr
+from grace.formats.table import slot_values
+from grace.formats.view import as_view
 
 from .errors import InputError, InvalidPackageError
 from .validate import contiguous_strides
@@ -54,21 +59,17 @@ def _evaluate(dims, values) -> tuple:
 
 
 def _show(shape) -> str:
-    """A declared shape as text, [n, 8] or [s + 1, 8] (messages only: imports grace.formats)."""
-    from grace.formats.shapes import format_shape_expr
-
+    """A declared shape as text, [n, 8] or [s + 1, 8] (messages)."""
     return "[" + ", ".join(format_shape_expr(d) for d in shape) + "]"
 
 
 def table_words(ptrs, slot_shapes, values=()) -> list:
-    """All table words of a call (docs/architecture.md, "Argument table"): per slot the data pointer,
-    the sizes and the C-contiguous strides in elements; then one word per symbol (`values`, data
-    symbols 0: a kernel writes them on the device)."""
+    """All table words of a call (formats.table, SPEC §5): per slot the data pointer, the sizes and
+    the C-contiguous strides in elements; then one word per symbol (`values`, data symbols 0: a
+    kernel writes them on the device)."""
     words = []
     for ptr, shape in zip(ptrs, slot_shapes, strict=True):
-        words.append(ptr)
-        words.extend(shape)
-        words.extend(contiguous_strides(shape))
+        words += slot_values(ptr, shape, contiguous_strides(shape))
     words.extend(values)
     return words
 
@@ -93,7 +94,7 @@ class _Input:
     __slots__ = ("name", "decl", "rank", "static", "fixed", "reads")
 
     def __init__(self, spec, index):
-        self.name, self.decl = spec["name"], tuple(spec["shape"])
+        self.name, self.decl = spec.name, spec.shape
         self.rank = len(self.decl)
         self.fixed = tuple((d, s) for d, s in enumerate(self.decl) if isinstance(s, int))       # (dim, size)
         self.reads = tuple((d, index[s]) for d, s in enumerate(self.decl) if isinstance(s, str))  # (dim, symbol)
@@ -106,10 +107,7 @@ class _Output:
     __slots__ = ("name", "decl", "dims", "data_symbols", "capacity")
 
     def __init__(self, spec, index, data_names):
-        # grace.formats pulls in safetensors: imported when a plan is made (load), not with grace.runtime
-        from grace.formats.shapes import expr_symbols
-
-        self.name, self.decl = spec["name"], tuple(spec["shape"])
+        self.name, self.decl = spec.name, spec.shape
         self.dims = tuple(compile_expr(d, index) for d in self.decl)
         # Data symbols appear in dim 0 only (format rule): the host knows the strides without them.
         self.data_symbols = tuple(sorted(index[s] for s in expr_symbols(self.decl[0]) if s in data_names)
@@ -120,33 +118,31 @@ class _Output:
 class ShapePlan:
     """Everything about shapes that does not depend on a call. `symbols`: names in manifest order
     (symbol k is table word W + k); `input_symbols` / `data_symbols`: their indices by kind;
-    `graph_names`: one per graph."""
+    `graph_names`: one per graph. `manifest`: a formats.view.Manifest, or a manifest dict
+    (validated first)."""
 
     def __init__(self, manifest):
-        symbols = manifest["symbols"]
-        self.symbols = [s["name"] for s in symbols]
+        m = as_view(manifest)
+        symbols = m.symbols
+        self.symbols = [s.name for s in symbols]
         index = {name: k for k, name in enumerate(self.symbols)}
-        self.input_symbols = [k for k, s in enumerate(symbols) if s["kind"] == "input"]
-        self.data_symbols = [k for k, s in enumerate(symbols) if s["kind"] == "data"]
-        self._lo = [s["min"] for s in symbols]
-        self._hi = [s["max"] for s in symbols]
-        self._unset = [-1 if s["kind"] == "input" else 0 for s in symbols]  # -1: not read yet
-        self._inputs = [_Input(t, index) for t in manifest["inputs"]]
+        self.input_symbols = [k for k, s in enumerate(symbols) if s.kind == "input"]
+        self.data_symbols = [k for k, s in enumerate(symbols) if s.kind == "data"]
+        self._lo = [s.min for s in symbols]
+        self._hi = [s.max for s in symbols]
+        self._unset = [-1 if s.kind == "input" else 0 for s in symbols]  # -1: not read yet
+        self._inputs = [_Input(t, index) for t in m.inputs]
         data_names = {self.symbols[k] for k in self.data_symbols}
-        self._outputs = [_Output(t, index, data_names) for t in manifest["outputs"]]
-        self._slot_of_input = [t["slot"] for t in manifest["inputs"]]
-        self._slot_of_output = [t["slot"] for t in manifest["outputs"]]
-        self._n_slots = len(manifest["table"]["slots"])
-        # Index of each slot's data-pointer word among the table words (1 + 2*rank words per slot).
-        self.pointer_words, pos = [], 0
-        for slot in manifest["table"]["slots"]:
-            self.pointer_words.append(pos)
-            pos += 1 + 2 * slot["rank"]
+        self._outputs = [_Output(t, index, data_names) for t in m.outputs]
+        self._slot_of_input = [t.slot for t in m.inputs]
+        self._slot_of_output = [t.slot for t in m.outputs]
+        self._n_slots = len(m.table.slots)
+        self.pointer_words = [slot.first_word for slot in m.table.slots]  # per slot: its data pointer's word
         self._calls = {}  # symbol values tuple -> Call
 
-        graphs = manifest["graphs"]
-        self.graph_names = [g["name"] for g in graphs]
-        self._bounds = [[g["bucket"][name] for name in self.symbols] for g in graphs]
+        graphs = m.graphs
+        self.graph_names = [g.name for g in graphs]
+        self._bounds = [[g.bucket[name] for name in self.symbols] for g in graphs]
         # Selection order: smallest product of input-symbol bounds first; sort is stable, so the
         # first graph in the manifest wins ties.
         cost = [_numel([b[k] for k in self.input_symbols]) for b in self._bounds]

@@ -17,10 +17,9 @@ import pytest
 import safetensors
 
 from grace.formats import (FORMAT_VERSION, BadMagicError, ChecksumError, FormatError, ManifestError,
-                           Package, TruncatedError, UnsupportedVersionError, decode_weights,
+                           Package, TruncatedError, UnsupportedVersionError, as_view, decode_weights,
                            encode_weights, eval_shape_expr, expr_symbols, format_shape_expr,
-                           read_package, select_graph, validate_manifest, validated_symbols,
-                           write_package)
+                           read_package, select_graph, validate_manifest, write_package)
 from grace.formats.container import ALIGN, HEADER_NBYTES
 from grace.formats.package import pack_package_bytes
 from grace.formats.shapes import MAX_EXPR_DEPTH, check_shape_expr
@@ -628,16 +627,16 @@ def test_dyn_round_trip(tmp_path):
         assert [g["bucket"] for g in pkg.manifest["graphs"]] == [
             {"batch": b, "seq": q, "n": b * q * 16} for b in DYN_BATCH for q in DYN_SEQ]
         assert pkg.manifest["outputs"][0]["shape"] == ["batch", ["+", "seq", 1], 4]
-        symbols = validated_symbols(pkg.manifest)
-        assert list(symbols) == ["batch", "seq", "n"]
-        assert symbols["seq"].sources == ((0, 1), (1, 0)) and symbols["n"].kind == "data"
+        symbols = pkg.view.symbols
+        assert [s.name for s in symbols] == ["batch", "seq", "n"]
+        assert symbols[1].sources == ((0, 1), (1, 0)) and symbols[2].kind == "data"
 
 
 def test_static_manifest_is_the_special_case():
     m = make_manifest()
     assert m["symbols"] == [] and m["table"]["extents"]["count"] == 0
     assert [g["bucket"] for g in m["graphs"]] == [{}]
-    assert validated_symbols(m) == {}
+    assert as_view(m).symbols == ()
 
 
 def test_tuples_from_the_compiler_are_accepted(tmp_path):

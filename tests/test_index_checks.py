@@ -97,11 +97,11 @@ def test_packages_without_checks_read_no_word(fake, tmp_path):
 
 
 def test_dynamic_table_sizes_are_named_or_evaluated():
+    from grace.formats.view import IndexCheck
     from grace.runtime.checks import IndexChecks
 
-    checks = IndexChecks(0, [{"code": 1, "input": "ids", "op": "aten.index", "where": "",
-                              "size": ["+", "seq", 1]},
-                             {"code": 2, "input": "ids", "op": "aten.index", "where": "", "size": "seq"}])
+    checks = IndexChecks(0, [IndexCheck(1, "ids", "aten.index", "", ["+", "seq", 1]),
+                             IndexCheck(2, "ids", "aten.index", "", "seq")])
     assert "outside [-(seq + 1), seq + 1)" in str(checks.error(1))
     assert "outside [-seq, seq)" in str(checks.error(2))
     assert "outside [-6, 6)" in str(checks.error(1, {"seq": 5}))

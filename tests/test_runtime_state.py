@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 import grace.runtime as rt
+from grace.formats import ManifestError
 from grace.runtime import driver, generate, graph
 from grace.runtime.errors import GraceRuntimeError, InputError, InvalidPackageError
 
@@ -330,11 +331,9 @@ def test_a_stateless_package_allocates_no_state(fake, tmp_path):
     pkg.close()
 
 
-def test_missing_optional_keys_have_defaults(fake, tmp_path):
-    """A 2.x-style manifest (no regions.state, no state) and kernels without hidden_params still
-    plan: no state, and no hidden parameters (SPEC: hidden_params is optional; absent means 0)."""
+def test_kernels_without_hidden_params_get_none():
+    """SPEC: hidden_params is optional; absent means 0 (formats.view fills the default)."""
     m = stateless_manifest()
-    del m["regions"]["state"], m["state"]
     for k in m["kernels"]:
         del k["hidden_params"]
     plans = graph.plan_graph(m)
@@ -351,21 +350,21 @@ def test_close_frees_the_state(fake, pkg):
 
 @pytest.mark.parametrize("arg, message", [
     ({"region": "state", "offset": 1536, "nbytes": 512},
-     r"covers \[1536, 2048\) of region state, but region state has 1792"),
-    ({"region": "state", "offset": -8, "nbytes": 8}, r"covers \[-8, 0\) of region state"),
+     r"state range \[1536, 2048\) exceeds the state region \(1792 bytes\)"),
+    ({"region": "state", "offset": -8, "nbytes": 8}, r"args\[3\].offset: -8 is below the minimum 0"),
 ])
 def test_plan_rejects_state_arguments_out_of_range(arg, message):
     m = lm_manifest()
     m["graphs"][1]["nodes"][1]["args"][3] = arg
-    with pytest.raises(InvalidPackageError, match=message):
+    with pytest.raises(ManifestError, match=message):
         graph.plan_graph(m, 1)
 
 
 def test_plan_rejects_a_step_that_touches_the_arena():
     m = lm_manifest()
     m["generate"]["step"]["args"][2] = {"region": "arena", "offset": 0, "nbytes": 32}
-    with pytest.raises(InvalidPackageError, match=r"generate step .* region arena, but this graph's arena has 0"):
-        generate.GeneratePlan(m, [])  # the step is planned before the state entries are looked up
+    with pytest.raises(ManifestError, match=r"generate.step.args\[2\]: arena range \[0, 32\) exceeds the graph's arena \(0"):
+        generate.GeneratePlan(m, [])
 
 
 # ------------------------------------------------------------------------ generate: checks

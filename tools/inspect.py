@@ -8,7 +8,8 @@ Format 2.0 packages hold one graph per shape bucket: the description lists the s
 dimensions), the buckets each symbol is split into, and one row per graph with its bounds and
 costs, so the price of the bucket policy (graphs, kernels, padding) is visible without running.
 
-Imports numpy-free, torch-free: only rich (for `render`) and grace.formats' shape-expression text.
+The manifest is read through grace.formats.view (validated, optional keys at their SPEC defaults).
+Torch-free: only grace.formats, and rich for `render`.
 """
 
 from __future__ import annotations
@@ -58,147 +59,93 @@ def _jsonable(x: Any) -> Any:
 
 
 def describe(package, path: str | os.PathLike | None = None) -> dict:
-    """A JSON-able description of a package (see docs/inspect.md for the keys)."""
-    m = package.manifest
-    path = path if path is not None else getattr(package, "path", None)
+    """A JSON-able description of a package from `grace.formats.read_package` (see docs/inspect.md
+    for the keys). It reads the manifest through its validated view (`package.view`)."""
+    m = package.view
+    path = path if path is not None else package.path
 
     # --- I/O and the argument table ---------------------------------------------------------------
-    slots = (m.get("table") or {}).get("slots", []) or []
-    table_slots = []
-    word = 0
-    for i, s in enumerate(slots):
-        rank = int(s.get("rank", 0))
-        n = 1 + 2 * rank
-        table_slots.append(
-            {
-                "slot": i,
-                "name": s.get("name"),
-                "role": s.get("role"),
-                "offset": s.get("offset"),
-                "rank": rank,
-                "first_word": word,
-                "words": n,
-            }
-        )
-        word += n
-    extents = _extents(m, first_word=word)
+    table_slots = [{"slot": s.index, "name": s.name, "role": s.role, "offset": s.offset, "rank": s.rank,
+                    "first_word": s.first_word, "words": s.words} for s in m.table.slots]
+    extents = {"offset": m.table.extents_offset, "count": len(m.symbols),
+               "first_word": m.table.extents_first_word}
 
     def io(entries):
-        return [
-            {"name": e.get("name"), "dtype": e.get("dtype"), "shape": _jsonable(e.get("shape")), "slot": e.get("slot")}
-            for e in entries or []
-        ]
+        return [{"name": e.name, "dtype": e.dtype, "shape": _jsonable(e.shape), "slot": e.slot} for e in entries]
 
     # --- memory plan -------------------------------------------------------------------------------
-    weights = m.get("weights", []) or []
-    arena_buffers = m.get("arena_buffers", []) or []
-    largest = sorted(arena_buffers, key=lambda b: (-int(b.get("nbytes", 0)), int(b.get("offset", 0))))
+    largest = sorted(m.arena_buffers, key=lambda b: (-b.nbytes, b.offset))
     memory = {
-        "regions": {k: int(v) for k, v in (m.get("regions") or {}).items()},
-        "weights": {"count": len(weights), "nbytes": sum(int(w.get("nbytes", 0)) for w in weights)},
-        "state": [{"name": e.get("name"), "dtype": e.get("dtype"), "shape": _jsonable(e.get("shape")),
-                   "offset": e.get("offset"), "nbytes": e.get("nbytes"), "init": e.get("init")}
-                  for e in m.get("state", []) or []],
+        "regions": {k: int(v) for k, v in m.regions.items()},
+        "weights": {"count": len(m.weights), "nbytes": sum(w.nbytes for w in m.weights)},
+        "state": [{"name": e.name, "dtype": e.dtype, "shape": _jsonable(e.shape), "offset": e.offset,
+                   "nbytes": e.nbytes, "init": e.init} for e in m.state],
         "arena_buffers": {
-            "count": len(arena_buffers),
-            "nbytes": sum(int(b.get("nbytes", 0)) for b in arena_buffers),
-            "largest": [
-                {
-                    "name": b.get("name"),
-                    "offset": b.get("offset"),
-                    "nbytes": b.get("nbytes"),
-                    "first": b.get("first"),
-                    "last": b.get("last"),
-                }
-                for b in largest[:TOP_ARENA_BUFFERS]
-            ],
+            "count": len(m.arena_buffers),
+            "nbytes": sum(b.nbytes for b in m.arena_buffers),
+            "largest": [{"name": b.name, "offset": b.offset, "nbytes": b.nbytes, "first": b.first, "last": b.last}
+                        for b in largest[:TOP_ARENA_BUFFERS]],
         },
     }
 
     # --- kernels and graphs -------------------------------------------------------------------------
-    kernels = m.get("kernels", []) or []
-    graphs = m.get("graphs", []) or []
     uses: Counter = Counter()
     grids: dict[int, list] = {}
-    for g in graphs:
-        for node in g.get("nodes", []) or []:
-            k = node.get("kernel")
-            uses[k] += 1
-            grid = list(node.get("grid", []))
-            seen = grids.setdefault(k, [])
-            if grid not in seen:
-                seen.append(grid)
+    for g in m.graphs:
+        for node in g.nodes:
+            uses[node.kernel] += 1
+            seen = grids.setdefault(node.kernel, [])
+            if list(node.grid) not in seen:
+                seen.append(list(node.grid))
 
-    kernel_list = []
-    for i, k in enumerate(kernels):
-        kernel_list.append(
-            {
-                "index": i,
-                "name": k.get("name"),
-                "family": k.get("family"),
-                "grids": grids.get(i, []),
-                "num_warps": k.get("num_warps"),
-                "num_stages": k.get("num_stages"),
-                "shared": k.get("shared"),
-                "archs": sorted((k.get("binaries") or {}).keys()),
-                "source_sha256": k.get("source_sha256"),
-                "has_source": bool(k.get("source")),
-                "params": len(k.get("params", []) or []),
-                "nodes": uses.get(i, 0),
-            }
-        )
+    kernel_list = [
+        {"index": i, "name": k.name, "family": k.family, "grids": grids.get(i, []), "num_warps": k.num_warps,
+         "num_stages": k.num_stages, "shared": k.shared, "archs": sorted(k.binaries),
+         "source_sha256": k.source_sha256, "has_source": bool(k.source), "params": len(k.params),
+         "nodes": uses.get(i, 0)}
+        for i, k in enumerate(m.kernels)]
 
     graph_list = []
-    for g in graphs:
-        stats = g.get("stats", {}) or {}
-        nodes = g.get("nodes", []) or []
+    for g in m.graphs:
         fam: Counter = Counter()
-        for node in nodes:
-            k = node.get("kernel")
-            fam[kernels[k].get("family", "?") if isinstance(k, int) and 0 <= k < len(kernels) else "?"] += 1
+        for node in g.nodes:
+            family = m.kernels[node.kernel].family
+            fam["?" if family is None else family] += 1
         graph_list.append(
             {
-                "name": g.get("name"),
-                "bucket": _jsonable(g.get("bucket", {}) or {}),
-                "arena": g.get("arena"),
-                "kernels": stats.get("kernels") if isinstance(stats, Mapping) else None,
-                "nodes": len(nodes),
-                "unique_kernels": len({n.get("kernel") for n in nodes}),
-                "edges": sum(len(n.get("deps", []) or []) for n in nodes),
+                "name": g.name,
+                "bucket": _jsonable(g.bucket),
+                "arena": g.arena,
+                "kernels": g.stats.get("kernels"),
+                "nodes": len(g.nodes),
+                "unique_kernels": len({n.kernel for n in g.nodes}),
+                "edges": sum(len(n.deps) for n in g.nodes),
                 # by kind (format 3.2): programmatic edges let a kernel launch before the ones
                 # it depends on finish (docs/design-pdl.md); the rest are full edges
-                "edges_by_kind": _edge_kinds(nodes),
+                "edges_by_kind": _edge_kinds(g.nodes),
                 "families": dict(sorted(fam.items(), key=lambda kv: (-kv[1], str(kv[0])))),
-                "stats": _jsonable(stats),
+                "stats": _jsonable(g.stats),
             }
         )
-    symbols = _symbols(m, graphs)
+    symbols = _symbols(m)
 
     sections = [
         {"name": name, "offset": off, "nbytes": nbytes, "sha256": sha}
-        for (name, off, nbytes, sha) in getattr(package, "section_info", []) or []
+        for (name, off, nbytes, sha) in package.section_info
     ]
-    file_nbytes = getattr(package, "nbytes", None)
-    if file_nbytes is None and path is not None:
-        try:
-            file_nbytes = os.path.getsize(path)
-        except OSError:
-            file_nbytes = None
-
     return {
         "path": str(path) if path is not None else None,
-        "file_nbytes": file_nbytes,
-        "format_version": _version_list(getattr(package, "format_version", None) or m.get("format_version")),
-        "model": _jsonable(m.get("model", {}) or {}),
-        "producer": _jsonable(m.get("producer", {}) or {}),
-        "archs": list(m.get("archs", []) or []),
-        "options": _jsonable(m.get("options", {}) or {}),
-        "inputs": io(m.get("inputs")),
-        "outputs": io(m.get("outputs")),
+        "file_nbytes": package.nbytes,
+        "format_version": _version_list(package.format_version),
+        "model": _jsonable(m.model),
+        "producer": _jsonable(m.producer),
+        "archs": list(m.archs),
+        "options": _jsonable(m.options),
+        "inputs": io(m.inputs),
+        "outputs": io(m.outputs),
         "symbols": symbols,
-        "buckets": _buckets(m, symbols, len(graphs)),
-        "table": {"nbytes": (m.get("table") or {}).get("nbytes"), "words": word + extents["count"],
-                  "slots": table_slots, "extents": extents},
+        "buckets": _buckets(m, symbols, len(m.graphs)),
+        "table": {"nbytes": m.table.nbytes, "words": m.table.words, "slots": table_slots, "extents": extents},
         "memory": memory,
         "generate": _generate(m),
         "index_checks": _index_checks(m),
@@ -208,58 +155,39 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
     }
 
 
-def _generate(m: Mapping) -> dict | None:
+def _generate(m) -> dict | None:
     """What `--generate` recorded (None for a package that is not a causal LM)."""
-    gen = m.get("generate")
-    if not isinstance(gen, Mapping):
+    gen = m.generate
+    if gen is None:
         return None
-    graphs = m.get("graphs", []) or []
-    g = gen.get("decode_graph")
-    decode = graphs[g].get("name") if isinstance(g, int) and 0 <= g < len(graphs) else g
-    return {"tokens": gen.get("tokens"), "positions": gen.get("positions"),
-            "logits": gen.get("logits"), "capacity": gen.get("capacity"), "decode_graph": decode}
+    return {"tokens": gen.tokens, "positions": gen.positions, "logits": gen.logits,
+            "capacity": gen.capacity, "decode_graph": m.graphs[gen.decode_graph].name}
 
 
-def _index_checks(m: Mapping) -> dict:
+def _index_checks(m) -> dict:
     """Format 3.3: the gathers whose indices are checked on the device, and the error word."""
-    errors = (m.get("table") or {}).get("errors") or {}
-    checks = [{"code": c.get("code"), "input": c.get("input"), "op": c.get("op"),
-               "where": c.get("where"), "size": _jsonable(c.get("size"))}
-              for c in m.get("index_checks", []) or [] if isinstance(c, Mapping)]
-    return {"count": len(checks), "error_word": errors.get("offset"), "checks": checks}
+    checks = [{"code": c.code, "input": c.input, "op": c.op, "where": c.where, "size": _jsonable(c.size)}
+              for c in m.index_checks]
+    return {"count": len(checks), "error_word": m.table.errors_offset, "checks": checks}
 
 
-def _extents(m: Mapping, first_word: int) -> dict:
-    """`table.extents` with the index of its first table word (symbol k is word first_word + k)."""
-    ext = (m.get("table") or {}).get("extents") or {}
-    return {"offset": ext.get("offset"), "count": int(ext.get("count", 0) or 0), "first_word": first_word}
-
-
-def _symbols(m: Mapping, graphs: list) -> list[dict]:
+def _symbols(m) -> list[dict]:
     """One entry per symbol: its range, the input dims it is read from, and the bounds of its
     buckets as they occur in the graphs (sorted, distinct)."""
-    inputs = m.get("inputs", []) or []
-    out = []
-    for s in m.get("symbols", []) or []:
-        name = s.get("name")
-        sources = []
-        for i, dim in s.get("sources", []) or []:
-            src_name = inputs[i].get("name") if isinstance(i, int) and 0 <= i < len(inputs) else None
-            sources.append({"input": i, "name": src_name, "dim": dim})
-        bounds = sorted({(g.get("bucket") or {}).get(name) for g in graphs} - {None})
-        out.append({"name": name, "kind": s.get("kind"), "min": s.get("min"), "max": s.get("max"),
-                    "sources": sources, "buckets": bounds})
-    return out
+    return [{"name": s.name, "kind": s.kind, "min": s.min, "max": s.max,
+             "sources": [{"input": i, "name": m.inputs[i].name, "dim": dim} for i, dim in s.sources],
+             "buckets": sorted({g.bucket[s.name] for g in m.graphs})}
+            for s in m.symbols]
 
 
-def _buckets(m: Mapping, symbols: list[dict], n_graphs: int) -> dict:
+def _buckets(m, symbols: list[dict], n_graphs: int) -> dict:
     """How the graphs cover the input symbols: per-symbol bucket counts and a one-line summary,
-    plus the compile options that chose them (`options.buckets`, `options.bucket_cost`)."""
-    options = m.get("options") or {}
+    plus the compile options that chose them (`options.buckets`, `options.bucket_cost`; informative,
+    so of any type)."""
     counts = {s["name"]: len(s["buckets"]) for s in symbols if s["kind"] == "input"}
     data = [s["name"] for s in symbols if s["kind"] == "data"]
-    policy = options.get("buckets") if isinstance(options, Mapping) else None
-    cost = options.get("bucket_cost") if isinstance(options, Mapping) else None
+    policy = m.options.get("buckets")
+    cost = m.options.get("bucket_cost")
     return {
         "graphs": n_graphs,
         "counts": counts,
@@ -491,8 +419,8 @@ def _render_graphs(console, d: Mapping, table) -> None:
 
 
 def _edge_kinds(nodes) -> dict:
-    total = sum(len(n.get("deps", []) or []) for n in nodes)
-    prog = sum(len(n.get("programmatic", []) or []) for n in nodes)
+    total = sum(len(n.deps) for n in nodes)
+    prog = sum(len(n.programmatic) for n in nodes)
     return {"full": total - prog, "programmatic": prog}
 
 

@@ -33,10 +33,12 @@ This module imports torch and triton; `grace.runtime` never imports it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -208,6 +210,12 @@ def _interpret_mode():
                         setattr(obj, attr, value)
 
 
+def _remove_module_dir(path: str, owner: int) -> None:
+    """The kernel sources written for the interpreter (a grace-interpret-* folder), at exit."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _load_kernel_module(source: str, sha: str):
     """Import kernel source as a module with Triton's interpreter; one module per source sha256.
     Package sources reach it only through _kernel_function, which checks them first."""
@@ -218,6 +226,8 @@ def _load_kernel_module(source: str, sha: str):
             return mod
         if _module_dir is None:
             _module_dir = tempfile.mkdtemp(prefix="grace-interpret-")
+            # removed when this process exits (not when a forked child does: it shares the folder)
+            atexit.register(_remove_module_dir, _module_dir, os.getpid())
         # @triton.jit reads the function's source with inspect, so it needs a real file.
         path = os.path.join(_module_dir, f"k_{sha[:16]}.py")
         with open(path, "w", encoding="utf-8") as f:
@@ -235,11 +245,12 @@ def _load_kernel_module(source: str, sha: str):
         return mod
 
 
-def _kernel_function(kernel: Mapping, package) -> Any:
+def _kernel_function(kernel, package) -> Any:
+    """The kernel's function from its source section (a formats.view.Kernel)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    name = kernel.get("name", "?")
-    section = kernel.get("source")
+    name = kernel.name
+    section = kernel.source
     if not section:
         raise InterpretError(f"kernel {name!r} has no source section; the interpreter needs kernel sources")
     try:
@@ -281,21 +292,20 @@ def _kernel_function(kernel: Mapping, package) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_no_bf16(manifest: Mapping) -> None:
+def _check_no_bf16(m) -> None:
     def uses_bf16():
-        for group in ("inputs", "outputs", "weights", "arena_buffers"):
-            for t in manifest.get(group, []) or []:
-                if t.get("dtype") == "bfloat16":
-                    yield f"{group[:-1]} {t.get('name')!r}"
-        for k in manifest.get("kernels", []) or []:
-            for p in k.get("params", []) or []:
-                if "bf16" in str(p.get("type", "")):
-                    yield f"kernel {k.get('name')!r} parameter {p.get('name')!r}"
-        for g in manifest.get("graphs", []) or []:
-            for node in g.get("nodes", []) or []:
-                for a in node.get("args", []) or []:
-                    if isinstance(a, Mapping) and a.get("dtype") == "bfloat16":
-                        yield f"a node of kernel {node.get('kernel')} in graph {g.get('name')!r}"
+        for group, entries in (("input", m.inputs), ("output", m.outputs), ("weight", m.weights)):
+            for t in entries:
+                if t.dtype == "bfloat16":
+                    yield f"{group} {t.name!r}"
+        for k in m.kernels:
+            for p in k.params:
+                if "bf16" in p.type:
+                    yield f"kernel {k.name!r} parameter {p.name!r}"
+        for g in m.graphs:
+            for node in g.nodes:
+                if any(a.dtype == "bfloat16" for a in node.args):
+                    yield f"a node of kernel {node.kernel} in graph {g.name!r}"
 
     first = next(uses_bf16(), None)
     if first is not None:
@@ -308,20 +318,20 @@ def _shape_text(shape) -> str:
     return ", ".join(format_shape_expr(d) for d in shape)
 
 
-def _check_inputs(manifest: Mapping, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+def _check_inputs(m, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Names and dtypes; the shapes are checked by the runtime's ShapePlan (see `_resolve`)."""
-    specs = manifest.get("inputs", []) or []
-    expected = ", ".join(f"{s['name']} ({s['dtype']}[{_shape_text(s['shape'])}])" for s in specs) or "none"
-    names = {s["name"] for s in specs}
+    specs = m.inputs
+    expected = ", ".join(f"{s.name} ({s.dtype}[{_shape_text(s.shape)}])" for s in specs) or "none"
+    names = {s.name for s in specs}
     unknown = [n for n in inputs if n not in names]
     if unknown:
         raise InterpretError(f"unknown input {unknown[0]!r}; the package expects: {expected}")
-    missing = [s["name"] for s in specs if s["name"] not in inputs]
+    missing = [s.name for s in specs if s.name not in inputs]
     if missing:
         raise InterpretError(f"missing input {missing[0]!r}; the package expects: {expected}")
     out = {}
     for s in specs:
-        name, dtype = s["name"], s["dtype"]
+        name, dtype = s.name, s.dtype
         value = inputs[name]
         if type(value).__module__.startswith("torch"):
             if str(value.dtype) == "torch.bfloat16":
@@ -349,11 +359,11 @@ def _as_interpret_errors():
         raise InterpretError(str(e)) from None
 
 
-def _resolve(plan, manifest: Mapping, arrays: Mapping[str, np.ndarray], graph: str | None) -> tuple[list, int]:
+def _resolve(plan, m, arrays: Mapping[str, np.ndarray], graph: str | None) -> tuple[list, int]:
     """(symbol values, graph index) by the runtime's rules; `graph` names a graph to use instead of
     the selected one (it must still cover the values)."""
     with _as_interpret_errors():
-        values = plan.resolve([arrays[s["name"]].shape for s in manifest["inputs"]])
+        values = plan.resolve([arrays[s.name].shape for s in m.inputs])
         chosen = plan.select(values)
     if graph is None:
         return values, chosen
@@ -363,21 +373,24 @@ def _resolve(plan, manifest: Mapping, arrays: Mapping[str, np.ndarray], graph: s
     bounds = plan.bounds(g)
     if any(values[k] > bounds[k] for k in plan.input_symbols):
         raise InterpretError(f"graph {graph!r} cannot serve {plan.describe(values)} (its bucket: "
-                             f"{manifest['graphs'][g]['bucket']})")
+                             f"{m.graphs[g].bucket})")
     return values, g
 
 
-def table_words(manifest: Mapping, buffers: Mapping[str, Any], values=None) -> list[int]:
+def table_words(manifest, buffers: Mapping[str, Any], values=None) -> list[int]:
     """The table words for one call, laid out by the runtime's own code (same table, same words).
 
-    `buffers` maps a slot's name to the contiguous torch tensor the slot points at (its shape is the
-    slot's sizes); `values` are the symbol words (default: all 0).
+    `manifest`: a grace.formats.view.Manifest, or a manifest dict (validated first). `buffers` maps
+    a slot's name to the contiguous torch tensor the slot points at (its shape is the slot's
+    sizes); `values` are the symbol words (default: all 0).
     """
+    from grace.formats.view import as_view
     from grace.runtime.shapes import table_words as words_of
 
-    tensors = [buffers[slot["name"]] for slot in manifest["table"]["slots"]]
+    m = as_view(manifest)
+    tensors = [buffers[slot.name] for slot in m.table.slots]
     if values is None:
-        values = [0] * len(manifest["symbols"])
+        values = [0] * len(m.symbols)
     return words_of([t.data_ptr() for t in tensors], [tuple(t.shape) for t in tensors], values)
 
 
@@ -401,40 +414,31 @@ def _fill_weights(package, weights_region) -> None:
 
     from grace.formats import decode_weights
 
-    entries = package.manifest.get("weights") or []
+    entries = package.view.weights
     if not entries:
         return
     tensors = decode_weights(package.section("weights"))
     for w in entries:
-        data = tensors[w["name"]][2]
+        data = tensors[w.name][2]
         if len(data):
-            off = int(w["offset"])
+            off = w.offset
             weights_region[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
 
-def _region_view(regions: Mapping[str, Any], arg: Mapping, param: Mapping | None, where: str):
+def _region_view(regions: Mapping[str, Any], arg, param, where: str):
+    """A region argument (formats.view.Arg; validated: inside its region, or this graph's arena) as
+    a typed view of the region tensor, typed by its `dtype` or else by the parameter's type."""
     import torch
 
-    name = arg["region"]
-    if name not in regions:
-        raise InterpretError(f"{where}: unknown region {name!r}")
-    region = regions[name]
-    off, nbytes = int(arg["offset"]), int(arg["nbytes"])
-    if off < 0 or nbytes < 0 or off + nbytes > region.numel():
-        raise InterpretError(f"{where}: range [{off}, {off + nbytes}) outside region {name!r} of {region.numel()} bytes")
-    dtype = arg.get("dtype")
-    if dtype is None and param is not None:
-        dtype = _PARAM_TYPES.get(str(param.get("type")))
+    dtype = arg.dtype or _PARAM_TYPES.get(param.type)
     if dtype is None:
-        ptype = param.get("type") if param else None
-        raise InterpretError(f"{where}: cannot tell the element type (no 'dtype', parameter type {ptype!r})")
-    if dtype not in _DTYPES:
-        raise InterpretError(f"{where}: unknown dtype {dtype!r}")
+        raise InterpretError(f"{where}: cannot tell the element type (no 'dtype', parameter type {param.type!r})")
     tdt = _torch_dtype(dtype)
     size = torch.empty((), dtype=tdt).element_size()
+    off, nbytes = arg.offset, arg.nbytes
     if off % size or nbytes % size:
         raise InterpretError(f"{where}: range offset {off} / nbytes {nbytes} not a multiple of {dtype}'s {size} bytes")
-    return region[off : off + nbytes].view(tdt)
+    return regions[arg.region][off : off + nbytes].view(tdt)
 
 
 def run_package(
@@ -471,26 +475,25 @@ class InterpretSession:
         from grace.runtime.shapes import ShapePlan
 
         self.package = _open(package_or_path)
-        self.manifest = manifest = self.package.manifest
-        _check_no_bf16(manifest)
-        self.plan = ShapePlan(manifest)
+        self.manifest = self.package.manifest
+        self.view = view = self.package.view   # read_package validated it
+        _check_no_bf16(view)
+        self.plan = ShapePlan(view)
         self.poison = poison
-        sizes = manifest["regions"]
+        sizes = view.regions
         self.regions = {
-            "weights": torch.zeros(int(sizes["weights"]), dtype=torch.uint8),
-            "table": torch.full((int(sizes["table"]),), 0xFF if poison else 0, dtype=torch.uint8),
-            "state": torch.zeros(int(sizes.get("state", 0)), dtype=torch.uint8),
+            "weights": torch.zeros(sizes["weights"], dtype=torch.uint8),
+            "table": torch.full((sizes["table"],), 0xFF if poison else 0, dtype=torch.uint8),
+            "state": torch.zeros(sizes["state"], dtype=torch.uint8),
         }
         _fill_weights(self.package, self.regions["weights"])
         from grace.runtime.checks import plan_index_checks
         from grace.runtime.state import plan_state
 
-        self.checks = plan_index_checks(manifest)   # None: no error word
+        self.checks = plan_index_checks(view)   # None: no error word
         if self.checks is not None:   # poisoned with the rest of the table: no error yet
             self._error_word().zero_()
-
-        with _as_interpret_errors():
-            self.state_entries = plan_state(manifest, self.package)
+        self.state_entries = plan_state(self.package)
         self.reset_state()
 
     # -- index checks --------------------------------------------------------------------------
@@ -532,13 +535,13 @@ class InterpretSession:
 
     # -- one call ------------------------------------------------------------------------------
     def run(self, inputs: Mapping[str, Any], graph: str | None = None) -> InterpretResult:
-        manifest, plan = self.manifest, self.plan
-        arrays = _check_inputs(manifest, inputs)
-        values, gi = _resolve(plan, manifest, arrays, graph)
+        view, plan = self.view, self.plan
+        arrays = _check_inputs(view, inputs)
+        values, gi = _resolve(plan, view, arrays, graph)
         import torch
 
-        tensors = {s["name"]: torch.from_numpy(np.array(arrays[s["name"]], order="C", copy=True))
-                   for s in manifest["inputs"]}   # 0-d stays 0-d
+        tensors = {s.name: torch.from_numpy(np.array(arrays[s.name], order="C", copy=True))
+                   for s in view.inputs}   # 0-d stays 0-d
         return self._execute(gi, values, tensors)
 
     def _execute(self, gi: int, values: list, inputs: dict) -> InterpretResult:
@@ -546,28 +549,24 @@ class InterpretSession:
         at them: copies of the caller's arrays, or state entries during generation)."""
         import torch
 
-        manifest, plan = self.manifest, self.plan
-        g = manifest["graphs"][gi]
-        self.regions["arena"] = torch.full((int(g["arena"]),), 0xFF if self.poison else 0,
-                                           dtype=torch.uint8)
-        extents = _extents(manifest, self.regions["table"])
+        view, plan = self.view, self.plan
+        g = view.graphs[gi]
+        self.regions["arena"] = torch.full((g.arena,), 0xFF if self.poison else 0, dtype=torch.uint8)
+        extents = _extents(view, self.regions["table"])
         extents.fill_(-1)  # until the table writer sets them: a symbol word it misses shows as -1
         with _as_interpret_errors():
             out_shapes = plan.output_shapes(values, gi)
-        buffers = {**inputs, **_output_buffers(manifest, out_shapes, self.poison)}
-        missing = [sl["name"] for sl in manifest["table"]["slots"] if sl["name"] not in buffers]
-        if missing:
-            raise InterpretError(f"table slot {missing[0]!r} is neither an input nor an output")
-        words = table_words(manifest, buffers, values)
+        buffers = {**inputs, **_output_buffers(view, out_shapes, self.poison)}
+        words = table_words(view, buffers, values)
         self._buffers = buffers  # the table points at them until the next call
         with _interpret_mode():
-            for i, node in enumerate(g["nodes"]):
-                _run_node(self.package, manifest["kernels"], g, i, node, self.regions, words)
+            for i, node in enumerate(g.nodes):
+                _run_node(self.package, view.kernels, g.name, i, node, self.regions, words)
         values = _data_symbols(plan, gi, values, extents)
         self._check_indices(dict(zip(plan.symbols, values)))
-        outputs = {s["name"]: _cut(buffers[s["name"]], plan.output_shape(o, values))
-                   for o, s in enumerate(manifest["outputs"])}
-        return InterpretResult(outputs, g["name"], dict(zip(plan.symbols, values)))
+        outputs = {s.name: _cut(buffers[s.name], plan.output_shape(o, values))
+                   for o, s in enumerate(view.outputs)}
+        return InterpretResult(outputs, g.name, dict(zip(plan.symbols, values)))
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompt_ids, max_new_tokens: int, eos_token_id=None) -> np.ndarray:
@@ -575,32 +574,30 @@ class InterpretSession:
         loop condition read on the host where the GPU runs a WHILE node."""
         from grace.runtime.generate import GeneratePlan
 
-        gen = self.manifest.get("generate")
+        gen = self.view.generate
         if gen is None:
             raise InterpretError("this package was not compiled for generation (grace compile "
                                  "--generate tokens=NAME,positions=NAME)")
         with _as_interpret_errors():
-            plan = GeneratePlan(self.manifest, self.state_entries)
+            plan = GeneratePlan(self.view, self.state_entries)
             prompt, ctrl_words = plan.check(prompt_ids, max_new_tokens, eos_token_id)
         self.reset_state()
-        ctrl = self._state_view(gen["ctrl"])
+        ctrl = self._state_view(gen.ctrl)
         ctrl.copy_(torch_from(ctrl_words))
         self.run(plan.prefill_inputs(prompt))
         self._step(gen)
         with _as_interpret_errors():
             values = self.plan.resolve(plan.input_shapes(1))
-        feed = {gen["tokens"]: self._state_view(gen["next_token"]),
-                gen["positions"]: self._state_view(gen["next_position"])}
+        feed = {gen.tokens: self._state_view(gen.next_token),
+                gen.positions: self._state_view(gen.next_position)}
         while int(ctrl[3]) == 0:
-            self._execute(int(gen["decode_graph"]), values, feed)
+            self._execute(gen.decode_graph, values, feed)
             self._step(gen)
-        return self._state_view(gen["out_tokens"])[:int(ctrl[0])].numpy().copy()
+        return self._state_view(gen.out_tokens)[:int(ctrl[0])].numpy().copy()
 
     def _step(self, gen) -> None:
-        node = gen["step"]
-        g = {"name": "generate", "nodes": [node]}
         with _interpret_mode():
-            _run_node(self.package, self.manifest["kernels"], g, 0, node, self.regions, [])
+            _run_node(self.package, self.view.kernels, "generate", 0, gen.step, self.regions, [])
 
 
 def torch_from(array: np.ndarray):
@@ -608,28 +605,25 @@ def torch_from(array: np.ndarray):
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _output_buffers(manifest: Mapping, out_shapes, poison: bool) -> dict[str, Any]:
+def _output_buffers(m, out_shapes, poison: bool) -> dict[str, Any]:
     """Host buffers for the outputs at this call's shape (data-symbol dims at the graph's bound),
     poisoned on request so an element the graph never writes shows as NaN."""
     import torch
 
     buffers: dict[str, Any] = {}
-    for s, shape in zip(manifest["outputs"], out_shapes):
-        if s["dtype"] not in _DTYPES:
-            raise InterpretError(f"output {s['name']!r}: unknown dtype {s['dtype']!r}")
-        nbytes = _numel(shape) * _itemsize(s["dtype"])
+    for s, shape in zip(m.outputs, out_shapes):
+        nbytes = _numel(shape) * _itemsize(s.dtype)
         raw = torch.full((nbytes,), 0xFF if poison else 0, dtype=torch.uint8)
-        buffers[s["name"]] = raw.view(_torch_dtype(s["dtype"])).view(shape)
+        buffers[s.name] = raw.view(_torch_dtype(s.dtype)).view(shape)
     return buffers
 
 
-def _extents(manifest: Mapping, table):
+def _extents(m, table):
     """The symbol words of the table region, as an int64 tensor view (symbol k at index k)."""
     import torch
 
-    ext = manifest["table"]["extents"]
-    off, count = int(ext["offset"]), int(ext["count"])
-    return table[off:off + 8 * count].view(torch.int64)
+    off = m.table.extents_offset
+    return table[off:off + 8 * len(m.symbols)].view(torch.int64)
 
 
 def _data_symbols(plan, g: int, values: list, extents) -> list:
@@ -655,33 +649,18 @@ def _cut(buffer, shape) -> np.ndarray:
     return arr.copy()
 
 
-def _run_node(package, kernels, g, i: int, node, regions, words: list[int]) -> None:
-    kidx = node["kernel"]
-    if not 0 <= kidx < len(kernels):
-        raise InterpretError(f"graph {g.get('name')!r} node {i}: kernel index {kidx} out of range")
-    kernel = kernels[kidx]
-    where = f"graph {g.get('name')!r} node {i} ({node.get('label') or kernel.get('name')})"
-    params = kernel.get("params", []) or []
-    node_args = node.get("args", []) or []
-    if len(node_args) != len(params):
-        raise InterpretError(f"{where}: {len(node_args)} arguments for {len(params)} kernel parameters")
-    args = []
-    for a, p in zip(node_args, params):
-        if "word" in a:
-            w = int(a["word"])
-            if not 0 <= w < len(words):
-                raise InterpretError(f"{where}: table word {w} out of range ({len(words)} words)")
-            args.append(words[w])
-        elif "region" in a:
-            args.append(_region_view(regions, a, p, f"{where} parameter {p.get('name')!r}"))
-        else:
-            raise InterpretError(f"{where}: unsupported argument {dict(a)!r}")
+def _run_node(package, kernels, graph: str, i: int, node, regions, words: list[int]) -> None:
+    """Node i of graph `graph` (a formats.view.Node, validated: its kernel exists, one argument
+    per parameter, every word and range in bounds) with its recorded grid and arguments."""
+    kernel = kernels[node.kernel]
+    where = f"graph {graph!r} node {i} ({node.label or kernel.name})"
+    args = [words[a.word] if a.word is not None else _region_view(regions, a, p, f"{where} parameter {p.name!r}")
+            for a, p in zip(node.args, kernel.params)]
     fn = _kernel_function(kernel, package)
-    grid = tuple(int(x) for x in node.get("grid", [1, 1, 1]))
     try:
-        fn[grid](*args, num_warps=int(kernel.get("num_warps", 4)), num_stages=int(kernel.get("num_stages", 3)))
+        fn[node.grid](*args, num_warps=kernel.num_warps)
     except Exception as e:
-        raise InterpretError(f"{where}: kernel {kernel.get('name')!r} failed: {type(e).__name__}: {e}") from e
+        raise InterpretError(f"{where}: kernel {kernel.name!r} failed: {type(e).__name__}: {e}") from e
 
 
 def _numel(shape) -> int:

@@ -1,0 +1,262 @@
+"""A typed view of a validated manifest, with SPEC.md's defaults filled in (SPEC.md §3).
+
+`validate_manifest` (formats/manifest.py) is the one checker of a manifest; this module is the one
+reader of what it accepted. The runtime, the CPU reference executor and `grace inspect` read the
+manifest through a `Manifest` instead of walking the msgpack maps, so
+
+  * an optional key gets its default here and nowhere else (`hidden_params` absent: 0, `writes`
+    absent: None = unknown, a node's `programmatic` absent: no programmatic edge, ...);
+  * nothing downstream repeats a check: every field of a `Manifest` already satisfies the schema,
+    including the cross-references (a node's kernel exists, a word argument is in range, ...);
+  * the table's words are located once, by formats.table (`Slot.first_word`, `Table.words`).
+
+The records are NamedTuples (immutable, cheap to build for every node of every graph); the maps
+they hold (`bucket`, `regions`, `stats`, `options`, ...) are copies the caller must not modify.
+
+    Package.view           the view of a package read by read_package (built on first use)
+    as_view(manifest)      a Manifest as it is; a manifest dict validated first (ManifestError)
+    build_view(manifest)   the view of a dict that already passed validate_manifest
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from . import table
+from .manifest import Symbol, validate_manifest
+
+
+class Slot(NamedTuple):
+    """`table.slots[index]` and where its words are among the table words."""
+    index: int
+    name: str
+    role: str          # "input" | "output"
+    offset: int        # bytes into the table, 16-aligned
+    rank: int
+    first_word: int    # index of its data-pointer word among the table words
+
+    @property
+    def words(self) -> int:
+        return table.slot_words(self.rank)
+
+    @property
+    def nbytes(self) -> int:
+        return table.slot_nbytes(self.rank)
+
+
+class Table(NamedTuple):
+    """The argument table: the slots, the extents (one int64 word per symbol, symbol k at
+    `extents_offset + 8k`, table word `extents_first_word + k`) and the optional error word."""
+    nbytes: int
+    slots: tuple               # Slot, in slot order
+    extents_offset: int
+    extents_first_word: int    # = the number of slot words
+    words: int                 # table words in all: slot words, then one per symbol
+    errors_offset: int | None  # the index checks' error word (3.3); None: the table has none
+
+
+class TensorSpec(NamedTuple):
+    """An input or output. `shape` is the declared shape: per dim a size, a symbol name, or
+    (outputs) a shape expression such as ["+", "n", 1]."""
+    name: str
+    dtype: str
+    shape: tuple
+    slot: int
+
+
+class TensorEntry(NamedTuple):
+    """A `weights` or `state` entry; `init` is "zeros" | "data" for state, None for weights."""
+    name: str
+    dtype: str
+    shape: tuple
+    offset: int
+    nbytes: int
+    init: str | None = None
+
+
+class ArenaBuffer(NamedTuple):
+    """An `arena_buffers` entry (informative: the memory plan); `first`/`last` may be None."""
+    name: str
+    offset: int
+    nbytes: int
+    first: int | None
+    last: int | None
+
+
+class Param(NamedTuple):
+    name: str
+    type: str          # a Triton type: "*fp32", "i64", ...
+
+
+class Kernel(NamedTuple):
+    """`kernels[i]` with its optional keys filled in."""
+    name: str
+    family: str | None
+    params: tuple              # Param
+    num_warps: int
+    shared: int                # dynamic shared memory, bytes
+    num_stages: int | None     # informative (the cubin is already built); None: not recorded
+    hidden_params: int         # pointer parameters Triton appends after `params`; absent: 0
+    global_scratch_size: int   # absent: 0
+    profile_scratch_size: int  # absent: 0
+    writes: tuple | None       # pointer parameters it stores through; None: unknown (3.2)
+    binaries: dict             # arch -> section name
+    source: str | None         # section name of the source
+    source_sha256: str | None
+
+
+class Arg(NamedTuple):
+    """A node argument: a table word (`word` set, the rest unused) or a region range."""
+    region: str | None
+    offset: int = 0
+    nbytes: int = 0
+    dtype: str | None = None
+    word: int | None = None
+
+
+class Node(NamedTuple):
+    kernel: int
+    grid: tuple                # (x, y, z)
+    deps: tuple
+    programmatic: tuple        # the deps whose edges may be programmatic (3.2); absent: none
+    label: str | None
+    args: tuple                # Arg, one per kernel parameter
+
+
+class Graph(NamedTuple):
+    name: str
+    bucket: dict               # symbol name -> bound
+    arena: int                 # arena bytes this graph uses
+    nodes: tuple               # Node, in execution order
+    stats: dict                # informative; absent: {}
+
+
+class IndexCheck(NamedTuple):
+    """An `index_checks` entry (3.3): `size` is a shape expression, `input` None for an index
+    computed inside the model."""
+    code: int
+    input: str | None
+    op: str
+    where: str
+    size: object
+
+
+class Generate(NamedTuple):
+    """The `generate` map; the state entries are named, `step` is a node without a graph."""
+    tokens: str
+    positions: str
+    logits: str
+    capacity: int
+    decode_graph: int
+    ctrl: str
+    out_tokens: str
+    next_token: str
+    next_position: str
+    step: Node
+
+
+class Manifest(NamedTuple):
+    format_version: tuple | None   # None only before write_package sets it
+    archs: tuple
+    producer: dict
+    model: dict
+    options: dict
+    regions: dict                  # "weights", "arena", "table", "state" -> bytes
+    symbols: tuple                 # formats.manifest.Symbol, in manifest order
+    inputs: tuple                  # TensorSpec
+    outputs: tuple                 # TensorSpec
+    table: Table
+    weights: tuple                 # TensorEntry
+    state: tuple                   # TensorEntry
+    arena_buffers: tuple           # ArenaBuffer
+    kernels: tuple                 # Kernel
+    graphs: tuple                  # Graph
+    index_checks: tuple            # IndexCheck; empty: the package has none
+    generate: Generate | None
+
+
+def as_view(manifest) -> Manifest:
+    """`manifest` as a Manifest: a Manifest as it is, a dict after validate_manifest (without the
+    section checks, which need the package: read_package runs those)."""
+    if isinstance(manifest, Manifest):
+        return manifest
+    validate_manifest(manifest)
+    return build_view(manifest)
+
+
+def build_view(m: dict) -> Manifest:
+    """The view of a manifest that passed validate_manifest. Nothing is checked here."""
+    fv = m.get("format_version")
+    return Manifest(
+        format_version=tuple(fv) if fv is not None else None,
+        archs=tuple(m["archs"]),
+        producer=dict(m.get("producer", {})),
+        model=dict(m.get("model", {})),
+        options=dict(m.get("options", {})),
+        regions=dict(m["regions"]),
+        symbols=tuple(Symbol(i, s["name"], s["kind"], s["min"], s["max"], tuple(map(tuple, s["sources"])))
+                      for i, s in enumerate(m["symbols"])),
+        inputs=tuple(_io(e) for e in m["inputs"]),
+        outputs=tuple(_io(e) for e in m["outputs"]),
+        table=_table(m["table"], len(m["symbols"])),
+        weights=tuple(_tensor(e) for e in m["weights"]),
+        state=tuple(_tensor(e) for e in m["state"]),
+        arena_buffers=tuple(ArenaBuffer(b["name"], b["offset"], b["nbytes"], b.get("first"), b.get("last"))
+                            for b in m.get("arena_buffers", ())),
+        kernels=tuple(_kernel(k) for k in m["kernels"]),
+        graphs=tuple(Graph(g["name"], dict(g["bucket"]), g["arena"], tuple(_node(n) for n in g["nodes"]),
+                           dict(g.get("stats", {}))) for g in m["graphs"]),
+        index_checks=tuple(IndexCheck(c["code"], c["input"], c["op"], c["where"], c["size"])
+                           for c in m.get("index_checks", ())),
+        generate=_generate(m["generate"]) if "generate" in m else None,
+    )
+
+
+def _table(t: dict, n_symbols: int) -> Table:
+    ranks = [s["rank"] for s in t["slots"]]
+    slots = tuple(Slot(i, s["name"], s["role"], s["offset"], s["rank"], first)
+                  for i, (s, first) in enumerate(zip(t["slots"], table.first_words(ranks))))
+    errors = t.get("errors")
+    return Table(t["nbytes"], slots, t["extents"]["offset"], table.word_count(ranks),
+                 table.word_count(ranks, n_symbols), None if errors is None else errors["offset"])
+
+
+def _io(e: dict) -> TensorSpec:
+    return TensorSpec(e["name"], e["dtype"], tuple(e["shape"]), e["slot"])
+
+
+def _tensor(e: dict) -> TensorEntry:
+    return TensorEntry(e["name"], e["dtype"], tuple(e["shape"]), e["offset"], e["nbytes"], e.get("init"))
+
+
+def _kernel(k: dict) -> Kernel:
+    writes = k.get("writes")
+    return Kernel(
+        name=k["name"], family=k.get("family"),
+        params=tuple(Param(p["name"], p["type"]) for p in k["params"]),
+        num_warps=k["num_warps"], shared=k["shared"], num_stages=k.get("num_stages"),
+        hidden_params=k.get("hidden_params", 0),
+        global_scratch_size=k.get("global_scratch_size", 0),
+        profile_scratch_size=k.get("profile_scratch_size", 0),
+        writes=None if writes is None else tuple(writes),
+        binaries=dict(k["binaries"]), source=k.get("source"), source_sha256=k.get("source_sha256"))
+
+
+def _arg(a: dict) -> Arg:
+    if "word" in a:
+        return Arg(None, word=a["word"])
+    return Arg(a["region"], a["offset"], a["nbytes"], a.get("dtype"))
+
+
+def _node(n: dict) -> Node:
+    return Node(n["kernel"], tuple(n["grid"]), tuple(n["deps"]), tuple(n.get("programmatic", ())),
+                n.get("label"), tuple(_arg(a) for a in n["args"]))
+
+
+def _generate(g: dict) -> Generate:
+    return Generate(g["tokens"], g["positions"], g["logits"], g["capacity"], g["decode_graph"],
+                    g["ctrl"], g["out_tokens"], g["next_token"], g["next_position"], _node(g["step"]))
+
+
+__all__ = ["Manifest", "Table", "Slot", "TensorSpec", "TensorEntry", "ArenaBuffer", "Param", "Kernel",
+           "Arg", "Node", "Graph", "IndexCheck", "Generate", "Symbol", "as_view", "build_view"]
