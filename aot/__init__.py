@@ -10,9 +10,14 @@ The pipeline, one module per stage (read them in this order):
     codegen.py  kernel IR -> Triton source (expressions in codegen_expr.py)
     build.py    Triton source -> cubin per arch (cached, parallel)
     package.py  manifest + sections -> .grace (written by grace.formats)
+    check.py    `grace check`: every op the stages above cannot lower, at once, nothing built
+
+`grace.aot.check` is the function (check.check); the module's other names import from
+grace.aot.check as usual (`from grace.aot.check import user_frame`).
 """
 from __future__ import annotations
 
 from .compiler import CompileOptions, compile, compile_program  # noqa: A004
+from .check import CheckReport, check  # noqa: E402  (the function shadows the module's name)
 
-__all__ = ["compile", "compile_program", "CompileOptions"]
+__all__ = ["compile", "compile_program", "CompileOptions", "check", "CheckReport"]

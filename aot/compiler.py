@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from . import build, codegen, export, fuse, generation, lower, memplan, package, shapes
+from .check import relocate
 
 ARCH_RE = re.compile(r"^sm_(\d{2,3})$")
 PDL_MIN_ARCH = 90
@@ -29,7 +31,7 @@ class CompileOptions:
     # models (docs/performance.md).
     fp32_matmul: str = lower.DEFAULT_OPTIONS["fp32_matmul"]
     jobs: int | None = None            # parallel kernel builds (default: CPU count, max 8)
-    progress: bool = False
+    progress: bool = False             # stage summaries and a progress bar on stderr
     # bucket bounds per size symbol, overriding the default powers of two
     buckets: tuple = ()
     # a causal LM for generate(): (("tokens", NAME), ("positions", NAME), ("logits", NAME)?,
@@ -82,7 +84,7 @@ class CompileReport:
 
 
 def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None,  # noqa: A001
-            progress=True, fp32_matmul=None, jobs=None, dynamic_shapes=None,
+            progress=False, fp32_matmul=None, jobs=None, dynamic_shapes=None,
             buckets=None, generate=None, pdl=False) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
@@ -93,7 +95,11 @@ def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None
     causal LM for `Session.generate` (optional "logits": an output name, default the first;
     "capacity": cache positions, default the size of the state dimension `positions` indexes).
     `pdl=True`: programmatic edges between kernels (docs/design-pdl.md; sm_90+ only). Off by
-    default: measured slower on the H200 so far (docs/performance.md)."""
+    default: measured slower on the H200 so far (docs/performance.md).
+
+    A library call prints nothing: `progress=True` reports each stage and a build progress bar on
+    stderr (what `grace compile` shows). Errors are exceptions (LoweringError names the op and
+    the user's source line; `grace.aot.check` lists every unsupported op at once)."""
     options = CompileOptions(tuple(archs), fp32_matmul or lower.DEFAULT_OPTIONS["fp32_matmul"],
                              jobs, progress,
                              tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()),
@@ -137,7 +143,11 @@ def _say(options: CompileOptions, msg: str):
 def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict) -> package.GraphBuild:
     """One graph: the program lowered with every input symbol at its bucket bound."""
     bucket = {s.expr: bounds[s.name] for s in symbols if s.kind == "input"}
-    lowered = lower.lower(core, name, options.recorded(), bucket)
+    try:
+        lowered = lower.lower(core, name, options.recorded(), bucket)
+    except (lower.LoweringError, shapes.ShapeError) as exc:
+        relocate(exc, core)   # "used at" the user's line, not torch/nn/modules/*.py
+        raise
     if options.generate:
         generation.add_state(lowered, dict(options.generate))
     kernels = memplan.drop_empty(fuse.fuse_epilogues(lowered.kernels))
@@ -162,7 +172,7 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
 
     seconds = {}
     t = time.perf_counter()
-    core = export.to_core_aten(program)
+    core = decompose(program)
     seconds["decompose"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -219,6 +229,14 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
     _say(options, f"[bold]grace[/]: wrote {output} "
                   f"({output.stat().st_size / 1e6:.1f} MB) in {sum(seconds.values()):.1f} s")
     return CompileReport(output, sum(len(g.kernels) for g in graphs), len(unique) - 1, seconds)
+
+
+def decompose(program):
+    """export.to_core_aten, without the FutureWarnings torch's own code raises inside it (its
+    deprecated pytree classes): torch-internal noise, nothing the user could act on."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return export.to_core_aten(program)
 
 
 def _check_same_interface(graphs) -> None:

@@ -13,15 +13,15 @@ try:
 except ImportError:  # tests/ imported as a package
     from tests.helpers_handmade import build_handmade_package, make_weights, reference
 
-SUBCOMMANDS = ["compile", "inspect", "run", "generate", "bench", "verify"]
+SUBCOMMANDS = ["compile", "check", "inspect", "run", "generate", "bench", "verify"]
 
 
-def grace(*args, cwd=None, timeout=300):
-    env = dict(os.environ)
+def grace(*args, cwd=None, timeout=300, env=None, python_args=()):
+    env = {**os.environ, **(env or {})}
     env.pop("TRITON_INTERPRET", None)
     env["COLUMNS"] = "200"  # rich wraps tables to the terminal width
     return subprocess.run(
-        [sys.executable, "-m", "grace.tools.cli", *map(str, args)],
+        [sys.executable, *python_args, "-m", "grace.tools.cli", *map(str, args)],
         capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout,
     )
 
@@ -521,3 +521,300 @@ def test_generate_without_gpu_exits_2(lm_pkg, tmp_path):
     err = _one_line_error(grace("generate", lm_pkg, "--prompt", tmp_path / "ids.npy", "--max-new-tokens", 3),
                           code=2)
     assert "--interpret" in err
+
+
+# ---- grace check ------------------------------------------------------------------------------------
+
+BAD_MODEL = '''
+import torch, torch.nn as nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.act = nn.ELU()
+    def forward(self, x):
+        y = self.act(self.fc(x))
+        return torch.cosh(y) + torch.tan(x)
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b1, self.b2 = Block(), Block()
+    def forward(self, x):
+        return torch.log10(self.b2(self.b1(x)).abs())
+
+torch.export.save(torch.export.export(Model().eval(), (torch.randn(4, 16),)), "bad.pt2")
+'''
+
+
+@pytest.fixture(scope="module")
+def bad_pt2(tmp_path_factory):
+    """A model with four ops grace does not lower (elu inside nn.ELU), written from its own file."""
+    pytest.importorskip("torch")
+    d = tmp_path_factory.mktemp("check")
+    (d / "bad_model.py").write_text(BAD_MODEL)
+    subprocess.run([sys.executable, "bad_model.py"], cwd=d, check=True, capture_output=True)
+    return d / "bad.pt2"
+
+
+def test_check_lists_every_unsupported_op_with_the_users_line(bad_pt2):
+    import time
+
+    t0 = time.perf_counter()
+    r = grace("check", bad_pt2)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    src = bad_pt2.parent / "bad_model.py"
+    out = r.stdout
+    for op, count, line in (("aten.elu.default", 2, 10), ("aten.cosh.default", 2, 11),
+                            ("aten.tan.default", 2, 11), ("aten.log10.default", 1, 18)):
+        assert f"{op} ×{count}: no lowering for this op" in out, out
+        assert f'at File "{src}", line {line}, in forward' in out, out
+    assert "4 ops cannot be lowered" in out
+    assert "torch/nn/modules" not in out   # elu: the user's `self.act(...)`, not activation.py
+    assert wall < 120, wall   # torch's import and the .pt2 load are most of it (~6 s on 2 cores)
+
+
+def test_check_json(bad_pt2):
+    r = grace("check", bad_pt2, "--json")
+    assert r.returncode == 1, r.stderr
+    d = json.loads(r.stdout)
+    assert d["ok"] is False and d["model"] == "bad"
+    ops = {p["op"]: p for p in d["problems"]}
+    assert set(ops) == {"aten.elu.default", "aten.cosh.default", "aten.tan.default", "aten.log10.default"}
+    assert ops["aten.elu.default"]["count"] == 2 and ops["aten.elu.default"]["nodes"] == ["elu", "elu_1"]
+    assert ops["aten.elu.default"]["locations"][0].endswith("y = self.act(self.fc(x))")
+
+
+def test_check_a_supported_model_exits_0(mlp_pt2):
+    r = grace("check", mlp_pt2)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "every op can be lowered" in r.stdout
+    d = json.loads(grace("check", mlp_pt2, "--json").stdout)
+    assert d["ok"] is True and d["problems"] == [] and d["graphs"] == 1
+
+
+def test_check_argument_errors_are_one_line(tmp_path):
+    err = _one_line_error(grace("check", tmp_path / "nope.pt2"))
+    assert "no such file" in err
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(b"not a zip")
+    assert "not a torch.export file" in _one_line_error(grace("check", junk))
+    assert "strictly increasing" in _one_line_error(grace("check", junk, "--buckets", "s=8,4"))
+
+
+def test_compile_error_points_at_the_users_line_and_at_check(bad_pt2, tmp_path):
+    err = _one_line_error(grace("compile", bad_pt2, "-o", tmp_path / "bad.grace"))
+    src = bad_pt2.parent / "bad_model.py"
+    assert "cannot lower aten.elu.default" in err
+    assert f'used at File "{src}", line 10, in forward: y = self.act(self.fc(x))' in err
+    assert f"grace check {bad_pt2}" in err
+    assert not (tmp_path / "bad.grace").exists()
+
+
+# ---- paper cuts -------------------------------------------------------------------------------------
+
+
+def test_version():
+    from importlib.metadata import version
+
+    r = grace("--version")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"grace {version('grace')} (package format ")
+    torch = pytest.importorskip("torch")
+    assert f"torch {version('torch')}" in r.stdout and torch.__version__ in r.stdout
+
+
+@pytest.mark.parametrize("where", ["before", "after", "end"])
+def test_traceback_anywhere(where, tmp_path):
+    missing = tmp_path / "nope.grace"
+    argv = {"before": ["--traceback", "inspect", missing], "after": ["inspect", "--traceback", missing],
+            "end": ["inspect", missing, "--traceback"]}[where]
+    r = grace(*argv)
+    assert r.returncode == 1
+    assert "Traceback (most recent call last)" in r.stderr and "CliError" in r.stderr
+    _one_line_error(grace("inspect", missing))   # without it: one line
+
+
+def test_packages_are_written_0644_respecting_the_umask(tmp_path):
+    pytest.importorskip("triton")
+    old = os.umask(0o022)
+    try:
+        a = build_handmade_package(tmp_path / "a.grace")
+        os.umask(0o027)
+        b = build_handmade_package(tmp_path / "b.grace")
+    finally:
+        os.umask(old)
+    assert os.stat(a).st_mode & 0o777 == 0o644
+    assert os.stat(b).st_mode & 0o777 == 0o640
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".tmp-")]
+
+
+@pytest.mark.parametrize("case", ["existing_dir", "trailing_slash", "parent_is_a_file", "read_only_dir"])
+def test_compile_checks_the_output_before_compiling(case, mlp_pt2, tmp_path, monkeypatch, capsys):
+    import grace.aot
+    from grace.tools import cli
+
+    def never(*a, **kw):
+        raise AssertionError("compiled before the output location was checked")
+
+    monkeypatch.setattr(grace.aot, "compile", never)
+    if case == "existing_dir":
+        out, words = tmp_path, "is a directory; give the package's file name, e.g. -o"
+    elif case == "trailing_slash":
+        out, words = f"{tmp_path / 'new'}/", "is a directory"
+    elif case == "parent_is_a_file":
+        (tmp_path / "f.txt").write_text("x")
+        out, words = tmp_path / "f.txt" / "m.grace", "is not a directory"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root may write in a read-only directory")
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        out, words = ro / "sub" / "m.grace", "permission denied"
+    code = cli.main(["compile", str(mlp_pt2), "-o", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "\n" not in err and err.startswith("grace compile: error: -o "), err
+    assert words in err, err
+
+
+def test_compile_output_in_new_folders_is_fine(mlp_pt2, tmp_path, monkeypatch):
+    """Missing folders are made by the compiler: not an error."""
+    import grace.aot
+    from grace.tools import cli
+
+    def fake_compile(program, *a, output, **kw):
+        output.parent.mkdir(parents=True)
+        output.write_bytes(b"")
+        return output
+
+    monkeypatch.setattr(grace.aot, "compile", fake_compile)
+    assert cli.main(["compile", str(mlp_pt2), "-o", str(tmp_path / "a" / "b" / "m.grace")]) == 0
+
+
+def test_interpret_removes_its_temp_folder_at_exit(pkg, tmp_path):
+    """The kernel sources --interpret writes (a grace-interpret-* folder) go away with the process."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    x = tmp_path / "x.npy"
+    np.save(x, np.ones((4, 8), np.float32))
+    script = ("import sys, os, numpy as np\n"
+              "from grace.formats import read_package\n"
+              "import grace.tools.interpret as it\n"
+              f"it.run_package(read_package({str(pkg)!r}), {{'x': np.load({str(x)!r})}})\n"
+              "print(it._module_dir, os.path.isdir(it._module_dir))\n")
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    folder, existed = r.stdout.split()
+    assert existed == "True" and os.path.basename(folder).startswith("grace-interpret-")
+    assert os.path.dirname(folder) == str(tmp)
+    assert not os.path.exists(folder) and os.listdir(tmp) == []
+    r = grace("run", pkg, "--interpret", "--input", f"x={x}", env={"TMPDIR": str(tmp)})
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp) == []
+
+
+def test_library_compile_prints_nothing(tmp_path):
+    """grace.aot.compile as a library call: nothing on stdout or stderr; progress=True reports."""
+    pytest.importorskip("torch")
+    script = ("import torch, grace.aot\n"
+              "from grace.tools.models import MLP\n"
+              "m = MLP().eval()\n"
+              "grace.aot.compile(m, (torch.randn(3, 64),), output='quiet.grace')\n"
+              "grace.aot.compile(m, (torch.randn(3, 64),), output='loud.grace', progress=True)\n")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    quiet = subprocess.run([sys.executable, "-c", script.rsplit("grace.aot.compile(m", 1)[0]],
+                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout == "" and quiet.stderr == "", (quiet.stdout, quiet.stderr)
+    assert (tmp_path / "quiet.grace").exists()
+    loud = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=600)
+    assert loud.returncode == 0, loud.stderr
+    assert "wrote loud.grace" in " ".join(loud.stderr.split())
+
+
+_NO_AOT = '''
+import sys
+class _NoAot:   # a runtime-only install: `pip install grace`, no torch, no triton
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "triton"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _NoAot())
+from grace.tools.cli import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def _runtime_only(*args):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([sys.executable, "-c", _NO_AOT, *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_runtime_only_install_names_the_aot_extra(pkg, mlp_pt2, tmp_path):
+    np.save(tmp_path / "x.npy", np.ones((4, 8), np.float32))
+    runs = [("run", pkg, "--interpret", "--input", f"x={tmp_path / 'x.npy'}"),
+            ("compile", mlp_pt2, "-o", tmp_path / "m.grace"),
+            ("check", mlp_pt2)]
+    for argv in runs:
+        err = _one_line_error(_runtime_only(*argv))
+        assert "pip install 'grace[aot]'" in err, (argv, err)
+        assert "ModuleNotFoundError" not in err or "No module named" in err
+    assert "compiler: not installed (pip install 'grace[aot]')" in _runtime_only("--version").stdout
+
+
+def test_runtime_only_no_gpu_hint_names_the_aot_extra(pkg, tmp_path):
+    try:
+        from cuda.bindings import driver
+
+        ok = driver.cuInit(0)[0] == driver.CUresult.CUDA_SUCCESS
+    except Exception:
+        ok = False
+    if ok:
+        pytest.skip("a CUDA driver is present: this test is for GPU-less machines")
+    np.save(tmp_path / "x.npy", np.ones((4, 8), np.float32))
+    err = _one_line_error(_runtime_only("run", pkg, "--input", f"x={tmp_path / 'x.npy'}"), code=2)
+    assert "--interpret" in err and "pip install 'grace[aot]'" in err
+    # with torch and triton installed, the plain hint
+    err = _one_line_error(grace("run", pkg, "--input", f"x={tmp_path / 'x.npy'}"), code=2)
+    assert "--interpret" in err and "grace[aot]" not in err
+
+
+def test_internal_errors_keep_their_traceback(monkeypatch, capsys):
+    """A plain ValueError (or KeyError, ...) from inside grace is a bug: traceback plus a last line
+    saying so; grace's own user errors stay one line; an "internal: ..." LoweringError is a bug."""
+    from grace.aot.lower import LoweringError
+    from grace.formats import ManifestError
+    from grace.tools import cli
+
+    def raising(exc):
+        def cmd(args):
+            raise exc
+        return cmd
+
+    cases = [(ValueError("not enough values to unpack"), True),
+             (KeyError("buf3"), True),
+             (LoweringError("internal: buckets lowered to different argument tables"), True),
+             (LoweringError("cannot lower aten.cosh.default (node 'cosh'), used at x.py:1"), False),
+             (ManifestError("manifest: kernels[0]: missing 'name'"), False),
+             (FileNotFoundError("x.npy"), False)]
+    for exc, internal in cases:
+        monkeypatch.setattr(cli, "cmd_verify", raising(exc))
+        code = cli.main(["verify", "m.grace"])
+        err = capsys.readouterr().err.strip()
+        assert code == 1, exc
+        if internal:
+            assert "Traceback (most recent call last)" in err, err
+            last = err.splitlines()[-1]
+            assert last.startswith("grace verify: internal error (a bug in grace") and type(exc).__name__ in last
+        else:
+            assert "\n" not in err and err.startswith("grace verify: error: "), err
+            assert "Traceback" not in err

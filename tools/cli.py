@@ -1,9 +1,12 @@
-"""The `grace` command: compile | inspect | run | generate | bench | verify.
+"""The `grace` command: compile | check | inspect | run | generate | bench | verify.
 
-User errors (a bad or corrupt package, wrong inputs, no GPU) print one line to stderr and exit with
-a non-zero code; tracebacks are for bugs (or `grace --traceback ...`).
+User errors (a bad or corrupt package, wrong inputs, an op the compiler cannot lower, no GPU) print
+one line to stderr and exit with a non-zero code. Internal errors (a bug in grace) print their
+traceback and a last line that says so. `--traceback` (before or after the subcommand) shows the
+traceback of every error.
 
-Exit codes: 0 ok, 1 error, 2 no usable GPU / driver (and argparse usage errors).
+Exit codes: 0 ok, 1 error (for `grace check`: an op cannot be lowered), 2 no usable GPU / driver
+(and argparse usage errors).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import os
 import re
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -21,6 +25,7 @@ EXIT_ERROR = 1
 EXIT_NO_DEVICE = 2
 
 INTERPRET_HINT = "use `grace run --interpret` to run the package on the CPU with Triton's interpreter"
+AOT_INSTALL = "pip install 'grace[aot]'"
 
 
 class CliError(Exception):
@@ -186,9 +191,50 @@ def parse_generate(spec: str | None) -> dict[str, str] | None:
     return names
 
 
+def _aot_installed() -> bool:
+    """torch and triton can be imported (without importing them: that takes seconds)."""
+    import importlib.util
+
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in ("torch", "triton"))
+    except (ImportError, ValueError):
+        return False
+
+
+def _interpret_hint() -> str:
+    """The advice for a machine without a GPU; a runtime-only install needs the [aot] extra first."""
+    if _aot_installed():
+        return INTERPRET_HINT
+    return f"{INTERPRET_HINT} (it needs torch and triton, which this install lacks: {AOT_INSTALL})"
+
+
+def _need_aot(what: str):
+    """Import torch and triton for `what` (compile, check, --interpret), or a one-line error that
+    says how to install them (a runtime-only install: `pip install grace`)."""
+    try:
+        import torch
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise CliError(f"{what} needs torch and triton, which this install lacks "
+                       f"({_one_line(e)}): {AOT_INSTALL}") from e
+    return torch
+
+
+def _interpreter():
+    """grace.tools.interpret, for --interpret (it needs torch and triton)."""
+    _need_aot("--interpret (the CPU reference executor: Triton's interpreter)")
+    import grace.tools.interpret as interpret
+
+    return interpret
+
+
 def _no_device(e: Exception) -> CliError:
     msg = _one_line(e)
-    return CliError(msg if "--interpret" in msg else f"{msg}; {INTERPRET_HINT}", EXIT_NO_DEVICE)
+    if "--interpret" not in msg:
+        msg = f"{msg}; {_interpret_hint()}"
+    elif not _aot_installed():   # the runtime's own advice: --interpret, which needs the [aot] extra
+        msg = f"{msg} (it needs torch and triton, which this install lacks: {AOT_INSTALL})"
+    return CliError(msg, EXIT_NO_DEVICE)
 
 
 def _runtime():
@@ -196,30 +242,34 @@ def _runtime():
     try:
         import grace.runtime as rt
     except ImportError as e:
-        raise CliError(f"the GPU runtime is unavailable ({_one_line(e)}); {INTERPRET_HINT}", EXIT_NO_DEVICE) from e
+        raise CliError(f"the GPU runtime is unavailable ({_one_line(e)}); {_interpret_hint()}",
+                       EXIT_NO_DEVICE) from e
     return rt
 
 
-def _user_error_types() -> tuple[type, ...]:
-    types: list[type] = [CliError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError]
-    try:
-        from grace.formats import FormatError
-
-        types.append(FormatError)
-    except Exception:
-        pass
-    rt = sys.modules.get("grace.runtime")
-    for name in ("GraceRuntimeError", "NoDeviceError"):
-        cls = getattr(rt, name, None) if rt is not None else None
-        if isinstance(cls, type):
-            types.append(cls)
-    return tuple(types)
+# path problems the user can fix: one line, not a traceback
+_USER_OS_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+# grace's own error classes that mean a bug in grace, not in the user's model or files
+_INTERNAL_GRACE_ERRORS = ("BuildError",)   # Triton rejected a kernel grace generated
 
 
 def _is_grace_error(e: BaseException) -> bool:
-    """Errors defined by grace itself (compile errors, runtime errors) are user-facing messages."""
+    """Errors defined by grace itself (compile errors, format and runtime errors)."""
     mod = type(e).__module__ or ""
     return mod.startswith("grace.") and type(e).__name__.endswith("Error")
+
+
+def _is_user_error(e: BaseException) -> bool:
+    """One line for the user (a bad input, file or model), or False: a bug in grace, whose
+    traceback is shown. A plain ValueError/KeyError/... from inside grace is a bug; grace's user
+    errors have their own classes (LoweringError, FormatError, InputError, ...)."""
+    if isinstance(e, CliError):
+        return True
+    if isinstance(e, _USER_OS_ERRORS):
+        return True
+    if _is_grace_error(e):
+        return type(e).__name__ not in _INTERNAL_GRACE_ERRORS and not str(e).startswith("internal")
+    return False
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,22 +277,43 @@ def _is_grace_error(e: BaseException) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
-def cmd_compile(args) -> int:
-    src = args.exported
-    if not os.path.exists(src):
-        raise CliError(f"{src}: no such file")
+def _archs(specs) -> list[str]:
     archs = []
-    for a in args.arch or ["sm_90"]:
+    for a in specs or ["sm_90"]:
         archs += [x.strip() for x in a.split(",") if x.strip()]
     bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}[a-z]?", a)]
     if bad:
         raise CliError(f"--arch {bad[0]!r}: expected names like sm_80, sm_90, sm_100")
-    buckets = parse_buckets(args.buckets)
-    generate = parse_generate(args.generate)
-    try:
-        import torch
-    except ImportError as e:
-        raise CliError(f"grace compile needs torch and triton: pip install 'grace[aot]' ({_one_line(e)})") from e
+    return list(dict.fromkeys(archs))
+
+
+def check_output(path: str, name: str = "model") -> Path:
+    """`-o PATH`, checked before anything is compiled: a file name (not a directory), in a
+    directory that exists or can be made, and that this user may write in."""
+    out = Path(path)
+    example = out / f"{name}.grace"
+    if path.endswith(("/", os.sep)) or out.is_dir():
+        raise CliError(f"-o {path}: is a directory; give the package's file name, e.g. -o {example}")
+    if out.exists() and not out.is_file():
+        raise CliError(f"-o {path}: exists and is not a regular file")
+    parent = out.absolute().parent
+    existing = parent
+    while not existing.exists():   # missing folders are made by the compiler
+        existing = existing.parent
+    if not existing.is_dir():
+        raise CliError(f"-o {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CliError(f"-o {path}: cannot write in {existing} (permission denied)")
+    return out
+
+
+def _load_export(src: str):
+    """The ExportedProgram in a torch.export.save file, or a one-line error that says how to
+    write one."""
+    if not os.path.exists(src):
+        raise CliError(f"{src}: no such file")
+    if os.path.isdir(src):
+        raise CliError(f"{src}: is a directory, expected a .pt2 file written by torch.export.save")
     import logging
     import zipfile
 
@@ -251,6 +322,7 @@ def cmd_compile(args) -> int:
             f"{src} is not a torch.export file (not a zip archive); write one with "
             f"torch.export.save(torch.export.export(model, args), '{Path(src).stem}.pt2')"
         )
+    torch = _need_aot("reading a torch.export file")
     # torch logs a full traceback as a warning before trying its legacy format: collect the records
     # instead of printing them, and name the first error in our one-line message.
     records: list[logging.LogRecord] = []
@@ -284,26 +356,71 @@ def cmd_compile(args) -> int:
         export_log.setLevel(saved[2])
     if not isinstance(ep, torch.export.ExportedProgram):
         raise CliError(f"{src}: torch.export.load returned {type(ep).__name__}, not an ExportedProgram")
+    return ep
+
+
+def _compiler(what: str):
+    _need_aot(what)
     try:
         import grace.aot as aot
     except ImportError as e:
         raise CliError(f"the compiler is unavailable: {_one_line(e)}") from e
-    output = Path(args.output)
+    return aot
+
+
+def cmd_compile(args) -> int:
+    src = args.exported
+    if not os.path.exists(src):
+        raise CliError(f"{src}: no such file")
+    archs = _archs(args.arch)
+    buckets = parse_buckets(args.buckets)
+    generate = parse_generate(args.generate)
     name = args.name or Path(src).stem
+    output = check_output(args.output, name)   # before minutes of compiling, not after
+    aot = _compiler("grace compile")
+    try:   # the compiler's own option checks, as one-line errors before the export is read
+        aot.CompileOptions(archs=tuple(archs), fp32_matmul=args.fp32_matmul, pdl=bool(args.pdl),
+                           generate=tuple((generate or {}).items()))
+    except ValueError as e:
+        raise CliError(_one_line(e)) from e
+    ep = _load_export(src)
     # only passed when given: without it the compiler picks its default buckets
     extra = {"buckets": buckets} if buckets else {}
     if generate is not None:
         extra["generate"] = generate
     if args.pdl:
         extra["pdl"] = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
-        path = aot.compile(ep, output=output, archs=tuple(dict.fromkeys(archs)), name=name, progress=True,
-                            fp32_matmul=args.fp32_matmul, **extra)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
+            path = aot.compile(ep, output=output, archs=tuple(archs), name=name, progress=True,
+                               fp32_matmul=args.fp32_matmul, **extra)
+    except ValueError as e:   # an op refused: the compile stops at the first, the check lists all
+        if _is_user_error(e) and "used at" in str(e) and len(e.args) == 1:
+            e.args = (f"{e}; `grace check {src}` lists every op that cannot be lowered",)
+        raise
     path = Path(path) if path is not None else output
     if not path.exists():
         raise CliError(f"the compiler reported success but wrote no {path}")
     return 0  # the compiler reports progress and the result itself (progress=True)
+
+
+def cmd_check(args) -> int:
+    src = args.exported
+    if not os.path.exists(src):
+        raise CliError(f"{src}: no such file")
+    buckets = parse_buckets(args.buckets)
+    generate = parse_generate(args.generate)
+    aot = _compiler("grace check")
+    ep = _load_export(src)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
+        report = aot.check(ep, buckets=buckets or None, generate=generate, name=Path(src).stem)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.format(max_locations=args.max_locations))
+    return 0 if report.ok else EXIT_ERROR
 
 
 def cmd_inspect(args) -> int:
@@ -365,9 +482,7 @@ def cmd_run(args) -> int:
     poison = not args.no_poison
     t0 = time.perf_counter()
     if args.interpret:
-        from grace.tools.interpret import run_package
-
-        outputs = run_package(pkg, inputs, poison=poison)
+        outputs = _interpreter().run_package(pkg, inputs, poison=poison)
         mode = "interpreter (CPU)"
     else:
         rt = _runtime()
@@ -419,9 +534,7 @@ def cmd_generate(args) -> int:
     prompt = _load_prompt(args.prompt)
     t0 = time.perf_counter()
     if args.interpret:
-        from grace.tools.interpret import generate_package
-
-        tokens = generate_package(pkg, prompt, args.max_new_tokens, args.eos)
+        tokens = _interpreter().generate_package(pkg, prompt, args.max_new_tokens, args.eos)
         mode = "interpreter (CPU)"
     else:
         rt = _runtime()
@@ -529,6 +642,7 @@ def cmd_bench(args) -> int:
 
 _EPILOG = """\
 examples:
+  grace check model.pt2                                    # every op that cannot be lowered
   grace compile model.pt2 -o model.grace --arch sm_90,sm_80
   grace compile model.pt2 -o model.grace --buckets input_ids.1=64,128,256,512
   grace inspect model.grace
@@ -540,7 +654,8 @@ examples:
   grace bench model.grace --iters 200
   grace verify model.grace
 
-exit codes: 0 ok, 1 error, 2 no usable GPU (or a usage error)
+exit codes: 0 ok, 1 error (grace check: an op cannot be lowered), 2 no usable GPU (or a usage error)
+--traceback (anywhere on the line) shows the full traceback of an error
 """
 
 
@@ -553,7 +668,44 @@ class _Formatter(argparse.HelpFormatter):
         return super()._fill_text(text, width, indent)
 
 
+def version_text() -> str:
+    """`grace --version`: grace's version, the package format it writes, and the compiler's
+    torch/triton when installed (read from their metadata: nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(dist):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return None
+
+    try:
+        from grace.formats import FORMAT_VERSION
+
+        fmt = f"package format {'.'.join(map(str, FORMAT_VERSION))}"
+    except Exception:  # noqa: BLE001 - the version must print even from a broken install
+        fmt = "package format unknown"
+    torch, triton = of("torch"), of("triton")
+    aot = (f"compiler: torch {torch}, triton {triton}" if torch and triton and _aot_installed()
+           else f"compiler: not installed ({AOT_INSTALL})")
+    return f"grace {of('grace') or 'unknown'} ({fmt}; {aot})"
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # --traceback after the subcommand too: SUPPRESS keeps a subcommand's parser from resetting
+    # the value the main parser set (`grace --traceback compile ...`)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error (debugging)")
     p = argparse.ArgumentParser(
         prog="grace",
         description="grace: ahead-of-time compiler and torch-free runtime for CUDA Graphs. "
@@ -562,7 +714,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
         formatter_class=_Formatter,
     )
-    p.add_argument("--traceback", action="store_true", help="show full tracebacks for errors (debugging)")
+    p.add_argument("--version", action=_Version,
+                   help="print grace's version (and the compiler's torch/triton) and exit")
+    p.add_argument("--traceback", action="store_true", default=False,
+                   help="show the full traceback of an error (debugging); also accepted after the subcommand")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     c = sub.add_parser(
@@ -588,6 +743,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  grace compile lm.pt2 -o lm.grace --generate tokens=idx,positions=input_pos\n"
         "  grace compile lm.pt2 -o lm.grace --generate tokens=idx,positions=input_pos,logits=logits\n",
         formatter_class=_Formatter,
+        parents=[common],
     )
     c.add_argument("exported", metavar="EXPORTED.pt2", help="file written by torch.export.save")
     c.add_argument("-o", "--output", required=True, metavar="MODEL.grace", help="package to write")
@@ -617,6 +773,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "grace.runtime.load(path, pdl=False) runs such a package with full edges, for A/B")
     c.set_defaults(func=cmd_compile)
 
+    k = sub.add_parser(
+        "check",
+        help="list every op of a .pt2 program that cannot be compiled (seconds, nothing built)",
+        description="Check a program saved with torch.export.save against the compiler: every op that "
+        "grace cannot lower, each op once with how often it occurs and the line of your model it comes "
+        "from (the innermost frame outside torch). It runs the compiler's own stages (decomposition, "
+        "lowering at every shape bucket, fusion, memory plan, kernel source generation) but builds no "
+        "kernel, so it takes seconds where a compile takes minutes, and a compile stops at the first "
+        "unsupported op. Exit code 0 when every op can be lowered, 1 otherwise. Needs the [aot] extra "
+        "(torch, triton).",
+        epilog="examples:\n"
+        "  grace check model.pt2\n"
+        "  grace check model.pt2 --json | jq '.problems[] | {op, count, locations}'\n"
+        "  grace check bert.pt2 --buckets input_ids.1=64,512     # the buckets you will compile\n"
+        "  grace check lm.pt2 --generate tokens=idx,positions=input_pos\n",
+        formatter_class=_Formatter,
+        parents=[common],
+    )
+    k.add_argument("exported", metavar="EXPORTED.pt2", help="file written by torch.export.save")
+    k.add_argument("--json", action="store_true",
+                   help="print the report as JSON: ok, ops, problems[] with op, count, reasons, nodes, "
+                        "locations, internal")
+    k.add_argument("--buckets", action="append", default=[], metavar="NAME=B1,B2,...",
+                   help="the shape buckets to check, as for `grace compile --buckets`")
+    k.add_argument("--generate", metavar="tokens=IN,positions=IN[,logits=OUT]",
+                   help="check as `grace compile --generate` would compile it (adds the decode bucket)")
+    k.add_argument("--max-locations", type=int, default=3, metavar="N",
+                   help="source lines shown per op (default 3; --json lists them all)")
+    k.set_defaults(func=cmd_check)
+
     i = sub.add_parser(
         "inspect",
         help="show what is inside a package",
@@ -624,6 +810,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--json prints the same information as JSON (keys documented in docs/inspect.md).",
         epilog="examples:\n  grace inspect model.grace\n  grace inspect model.grace --json | jq '.kernels[].name'\n",
         formatter_class=_Formatter,
+        parents=[common],
     )
     i.add_argument("package", metavar="MODEL.grace")
     i.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -643,6 +830,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  grace run model.grace --input x=x.npy\n"
         "  grace run model.grace --input x=x.npy --interpret --output out.npz\n",
         formatter_class=_Formatter,
+        parents=[common],
     )
     r.add_argument("package", metavar="MODEL.grace")
     r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy", help="an input (repeat per input)")
@@ -666,6 +854,7 @@ def build_parser() -> argparse.ArgumentParser:
         "  grace generate lm.grace --prompt ids.npy --max-new-tokens 64 --eos 2 --output new.npy\n"
         "  grace generate lm.grace --prompt ids.npy --max-new-tokens 4 --interpret   # CPU\n",
         formatter_class=_Formatter,
+        parents=[common],
     )
     g.add_argument("package", metavar="MODEL.grace")
     g.add_argument("--prompt", required=True, metavar="IDS.npy", help="prompt token ids: 1-D or [1, P] integers")
@@ -685,6 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="examples:\n  grace bench model.grace\n  grace bench model.grace --iters 1000 --warmup 50\n"
         "  grace bench bert.grace --size seq=129     (a package with shape buckets)\n",
         formatter_class=_Formatter,
+        parents=[common],
     )
     b.add_argument("package", metavar="MODEL.grace")
     b.add_argument("--iters", type=int, default=100, help="timed calls (default 100)")
@@ -705,6 +895,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(docs/design-pdl.md). Prints OK, or the problems found (exit 1).",
         epilog="examples:\n  grace verify model.grace\n",
         formatter_class=_Formatter,
+        parents=[common],
     )
     v.add_argument("package", metavar="MODEL.grace")
     v.set_defaults(func=cmd_verify)
@@ -731,10 +922,13 @@ def main(argv: list[str] | None = None) -> int:
             e = _no_device(e)
         if isinstance(e, CliError):
             code, msg = e.code, str(e)
-        elif isinstance(e, _user_error_types()) or _is_grace_error(e):
-            code, msg = EXIT_ERROR, f"{type(e).__name__}: {e}" if not isinstance(e, CliError) else str(e)
-        else:
-            raise
+        elif _is_user_error(e):
+            code, msg = EXIT_ERROR, f"{type(e).__name__}: {e}"
+        else:   # a bug: its traceback, then one line that says what happened
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+            print(f"grace {args.command}: internal error (a bug in grace; please report it with the "
+                  f"traceback above): {type(e).__name__}: {_one_line(e)}", file=sys.stderr)
+            return EXIT_ERROR
         print(f"grace {args.command}: error: {_one_line(msg)}", file=sys.stderr)
         return code
 
