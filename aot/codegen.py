@@ -352,6 +352,8 @@ def matmul(kernel: Kernel, w: Writer):
     split = inp.get("split", 1)
     dot_t = _dot_dtype(inp["a"], inp["b"])
     plan = gemm_plan(m, n, k, batch, 2 if dot_t != "float32" else 4)
+    if plan.gemv:
+        return _gemv(kernel, w, plan)
     bm, bn, bk = plan.bm, plan.bn, plan.bk
     prec = ""
     if dot_t == "float32":
@@ -450,6 +452,82 @@ def matmul(kernel: Kernel, w: Writer):
     return (cdiv(m, bm), cdiv(n, bn), batch * split), warps, 3
 
 
+def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
+    """One row of A (a decode step, a batch-1 vector): each program streams `bn` rows of the
+    weights through a [bn, bk] fp32 accumulator, reduced once after the K loop. No tensor cores
+    (a 1-row MMA tile wastes 15/16 of them) and no split-K (a program per `bn` output columns
+    gives enough programs, and no second kernel to sum partials): on the H200 this beat cuBLAS
+    on every Llama decode shape (docs/gemv-sweep-2026-12-01.json)."""
+    inp = kernel.inputs
+    n, k, batch = inp["n"], inp["k"], inp["batch"]
+    bn, bk = plan.bn, plan.bk
+    ext = kernel.ext or (None, None, None)
+    k_ext = inp.get("k_ext")
+    skip_k = k_ext is not None and is_prefix(k_ext)
+    even_k = k % bk == 0 and k_ext is None
+    early = [op for op in ("a", "b") if w.prefetch and not skip_k and _weights_only(inp[op])]
+
+    def ids():
+        w.emit(f"rn = tl.program_id(0) * {bn} + tl.arange(0, {bn})")
+        w.emit("bz = tl.program_id(1)")
+        w.emit(f"zero_a = tl.zeros([1, {bk}], tl.int32)")
+
+    def operand(op: str, kk: str) -> str:
+        k_term = None if even_k else _and_terms(f"(rk[None, :] < {k})",
+                                                _dim_valid(w, k_ext, "rk[None, :]"))
+        b_term = _dim_valid(w, ext[0], "bz")
+        if op == "a":
+            mask = _mask(w, "mask_a", k_term, b_term)
+            ctx = Ctx(w, (batch, 1, k), ["bz", "zero_a", "rk[None, :]"], mask=mask, zero="zero_a")
+        else:
+            n_term = _and_terms(None if n % bn == 0 else f"(rn[:, None] < {n})",
+                                _dim_valid(w, ext[2], "rn[:, None]"))
+            mask = _mask(w, "mask_b", k_term, n_term, b_term)
+            w.emit(f"zero_b = tl.zeros([{bn}, {bk}], tl.int32)")
+            ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn[:, None]"], mask=mask,
+                      zero="zero_b")
+        value = ExprEmitter(w).value(inp[op], ctx)
+        var = f"{op}{'_early' if kk == 'early' else ''}"
+        w.emit(f"{var} = {_masked(value, mask)}.to(tl.float32)")
+        return var
+
+    def k_step(kk: str, ready: dict):
+        w.emit(f"rk = {kk} + tl.arange(0, {bk})")
+        a = ready.get("a") or operand("a", kk)
+        b = ready.get("b") or operand("b", kk)
+        w.emit(f"acc += {b} * {a}")
+
+    ready = {}
+    if early:
+        with w.before_wait():
+            ids()
+            w.emit(f"rk = tl.arange(0, {bk})")
+            ready = {op: operand(op, "early") for op in early}
+    else:
+        ids()
+    _exit_beyond(w, ext[1], "0")
+    _exit_beyond(w, ext[0], "bz")
+    w.emit(f"acc = tl.zeros([{bn}, {bk}], tl.float32)")
+    if early:
+        k_step("0", ready)
+    w.emit(f"for kk in range({bk if early else 0}, {k}, {bk}):")
+    w.indent += 1
+    if skip_k:
+        w.emit(f"if kk < {w.extent(true_size(k_ext, 0))}:")
+        w.indent += 1
+    k_step("kk", {})
+    w.indent -= 2 if skip_k else 1
+    w.emit("acc_n = tl.sum(acc, axis=1)")
+    mask = _mask(w, "mask", None if n % bn == 0 else f"(rn < {n})",
+                 _dim_valid(w, ext[2], "rn"), _dim_valid(w, ext[0], "bz"))
+    w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
+    ctx = Ctx(w, (batch, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)", mask=mask,
+              zero="zero")
+    value = ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{bn}]")
+    return (cdiv(n, bn), batch, 1), 4, 1
+
+
 SM_COUNT = 132  # H100/H200; a grid smaller than this leaves multiprocessors idle
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
@@ -486,13 +564,24 @@ class GemmPlan:
     bn: int
     bk: int
     split: int       # split-K factor: partial sums are reduced by a second kernel
+    gemv: bool = False   # M = 1: the GEMV template (bn output columns per program, no MMA)
+
+
+GEMV_TILE = 2048   # weight elements per program per K step: 2 rows x 1024 was within 5% of the
+                   # best tile on all twelve Llama-1B/8B decode shapes (docs/gemv-sweep-*.json)
 
 
 def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int) -> GemmPlan:
-    """Tiles for a batch-1-sized GEMM. The largest output tile that still gives every
-    multiprocessor a program; a K step as deep as ~32 KiB of operands per pipeline stage allows
-    (few, deep iterations hide load latency); and split-K when even the smallest tiles leave most
-    of the chip idle and K is deep (decode-like shapes: M tiny, K in the thousands)."""
+    """Tiles for a batch-1-sized GEMM. One row of A: a GEMV, when its programs fill the chip or K
+    is short enough that a program's serial walk is. Otherwise the largest output tile that
+    still gives every multiprocessor a program; a K step as deep as ~32 KiB of operands per
+    pipeline stage allows (few, deep iterations hide load latency); and split-K when even the
+    smallest tiles leave most of the chip idle and K is deep."""
+    if m == 1:
+        bk = min(1024, max(16, next_pow2(k)))
+        bn = min(max(2, GEMV_TILE // bk), max(2, next_pow2(n)))
+        if cdiv(n, bn) * batch >= SM_COUNT // 2 or k <= 8192:
+            return GemmPlan(1, bn, bk, 1, gemv=True)
     # (32, 32) is left out: with tf32x3 and a deep K step it ran 2-5x slower than both its
     # neighbours on the H200 (docs/performance.md, run 8).
     fits = [(bm, bn) for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32),
@@ -519,8 +608,8 @@ def attention(kernel: Kernel, w: Writer):
     b, h, lq, lk, d, dv = p["b"], p["h"], p["lq"], p["lk"], p["d"], p["dv"]
     dot_t = _dot_dtype(p["q"], p["k"], p["v"])
     tl_dot = TL_TYPE[dot_t]
-    bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < SM_COUNT // 2 else 32  # fill the chip
-    bn = 16 if lk <= 16 else 32 if lk <= 32 else 64 if lk <= 64 else ATTN_MAX_BLOCK_N
+    bm, bn, split = attention_plan(b, h, lq, lk)
+    chunk = lk // split
     bd, bdv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     prec = f", input_precision=\"{p['fp32_precision']}\"" if dot_t == "float32" else ""
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
@@ -547,8 +636,13 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"m_i = tl.full([{bm}], -float(\"inf\"), tl.float32)")
     w.emit(f"l_i = tl.zeros([{bm}], tl.float32)")
     w.emit(f"acc = tl.zeros([{bm}, {bdv}], tl.float32)")
-    w.emit(f"for n0 in range(0, {lk}, {bn}):")
-    w.indent += 1
+    if split == 1:
+        w.emit(f"for n0 in range(0, {lk}, {bn}):")
+        w.indent += 1
+    else:   # split-KV: program z walks the keys [z * chunk, (z + 1) * chunk)
+        w.emit(f"for j0 in range(0, {chunk}, {bn}):")
+        w.indent += 1
+        w.emit(f"n0 = tl.program_id(2) * {chunk} + j0")
     skips = []
     if p["causal"]:
         # key blocks wholly after this query block are masked: skip them
@@ -614,6 +708,9 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"acc = acc * alpha[:, None] + tl.dot(pr.to({tl_dot}), v{prec})")
     w.emit("m_i = m_new")
     w.indent -= 1 + bool(skips) + bool(masked_block)
+    if split > 1:
+        _store_attention_partial(w, kernel, split, m_term, bm, bdv)
+        return (cdiv(lq, bm), b * h, split), 4, 2
     w.emit("o = acc / l_i[:, None]")
     mask = _mask(w, "mask", m_term, None if dv == bdv else f"(rdv[None, :] < {dv})")
     w.emit(f"zero = tl.zeros([{bm}, {bdv}], tl.int32)")
@@ -623,6 +720,87 @@ def attention(kernel: Kernel, w: Writer):
     value = ExprEmitter(w, acc="o").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bm}, {bdv}]")
     return (cdiv(lq, bm), b * h, 1), 4, 2
+
+
+def attention_plan(b: int, h: int, lq: int, lk: int) -> tuple[int, int, int]:
+    """(query rows per program, keys per step, key splits). Few query rows and a long key axis
+    (a decode step over a static cache: one program per head would walk 2048 keys serially)
+    split the keys over more programs, each leaving its normalised partial output and
+    log-sum-exp for a combining kernel (flash-decoding)."""
+    bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < SM_COUNT // 2 else 32  # fill the chip
+    bn = 16 if lk <= 16 else 32 if lk <= 32 else 64 if lk <= 64 else ATTN_MAX_BLOCK_N
+    programs = cdiv(lq, bm) * b * h
+    split = 1
+    while (programs * split * 2 <= ATTN_SPLIT_PROGRAMS and lk % (split * 2 * bn) == 0
+           and lk // (split * 2) >= bn):
+        split *= 2
+    return bm, bn, split
+
+
+ATTN_SPLIT_PROGRAMS = 4 * SM_COUNT   # split keys while programs stay within this
+
+
+def _store_attention_partial(w: Writer, kernel: Kernel, split: int, m_term, bm: int, bdv: int):
+    """A key split's output, normalised over its own keys, and its log-sum-exp (-inf when it saw
+    no key), into the float32 partial buffer: [split, b*h, lq, dv] outputs, then
+    [split, b*h, lq] log-sum-exps."""
+    p = kernel.inputs
+    bh, lq, dv = p["b"] * p["h"], p["lq"], p["dv"]
+    ptr = w.ptr(kernel.out)
+    w.emit("seen = l_i > 0")
+    w.emit("o = acc / tl.where(seen, l_i, 1.0)[:, None]")
+    w.emit("lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -float(\"inf\"))")
+    w.emit(f"row = (tl.program_id(2) * {bh} + bh) * {lq} + rm")
+    rows = _and_terms(None if lq % bm == 0 else f"(rm < {lq})")
+    mask = _mask(w, "mask", m_term, None if p["dv"] == bdv else f"(rdv[None, :] < {dv})")
+    w.emit(f"tl.store({ptr} + row[:, None] * {dv} + rdv[None, :], o"
+           + (f", mask={mask})" if mask != "None" else ")"))
+    w.emit(f"tl.store({ptr} + {split * bh * lq * dv} + row, lse"
+           + (f", mask={rows})" if rows else ")"))
+
+
+def attn_combine(kernel: Kernel, w: Writer):
+    """The split-KV partials of one attention, combined: each split's output weighted by
+    exp(its log-sum-exp - the largest), then the attention's epilogue."""
+    p = kernel.inputs
+    b, h, lq, dv, split = p["b"], p["h"], p["lq"], p["dv"], p["parts"]
+    bh = b * h
+    bm = min(16, max(2, next_pow2(lq)))
+    bdv = max(16, next_pow2(dv))
+    src = w.ptr(p["partial"].buf)
+    w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
+    w.emit("bh = tl.program_id(1)")
+    w.emit(f"ib = bh // {h}")
+    w.emit(f"ih = bh % {h}")
+    w.emit(f"rdv = tl.arange(0, {bdv})")
+    w.emit(f"rs = tl.arange(0, {split})")
+    ext = kernel.ext or (None,) * 4
+    _exit_beyond(w, ext[2], f"tl.program_id(0) * {bm}")
+    _exit_beyond(w, ext[0], "ib")
+    _exit_beyond(w, ext[1], "ih")
+    q_valid = _and_terms(_dim_valid(w, ext[2], "rm[:, None]"), _dim_valid(w, ext[0], "ib"),
+                         _dim_valid(w, ext[1], "ih"))
+    m_term = _and_terms(None if lq % bm == 0 else f"(rm[:, None] < {lq})", q_valid)
+    w.emit(f"row = (rs[:, None] * {bh} + bh) * {lq} + rm[None, :]")   # [split, bm]
+    rows = f"(rm[None, :] < {lq})" if lq % bm else None
+    w.emit(f"lse = tl.load({src} + {split * bh * lq * dv} + row"
+           + (f", mask={rows}, other=-float(\"inf\"))" if rows else ")"))
+    w.emit("top = tl.max(lse, axis=0)")
+    w.emit("top = tl.where(top == -float(\"inf\"), 0.0, top)")
+    w.emit("wt = tl.exp(lse - top[None, :])")
+    o_mask = _and_terms(f"(rm[None, :, None] < {lq})" if lq % bm else None,
+                        None if dv == bdv else f"(rdv[None, None, :] < {dv})")
+    w.emit(f"part = tl.load({src} + row[:, :, None] * {dv} + rdv[None, None, :]"
+           + (f", mask={o_mask}, other=0.0)" if o_mask else ")"))
+    w.emit("o = tl.sum(part * wt[:, :, None], axis=0) / tl.sum(wt, axis=0)[:, None]")
+    mask = _mask(w, "mask", m_term, None if dv == bdv else f"(rdv[None, :] < {dv})")
+    w.emit(f"zero = tl.zeros([{bm}, {bdv}], tl.int32)")
+    ctx = Ctx(w, (b, h, lq, dv), ["ib", "ih", "rm[:, None]", "rdv[None, :]"],
+              linear=f"(bh * {lq * dv} + rm[:, None] * {dv} + rdv[None, :])", mask=mask,
+              zero="zero")
+    value = ExprEmitter(w, acc="o").value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{bm}, {bdv}]")
+    return (cdiv(lq, bm), bh, 1), 4, 1
 
 
 # ---- data-dependent sizes ----------------------------------------------------------------------
@@ -839,7 +1017,7 @@ def sort(kernel: Kernel, w: Writer):
 TEMPLATES = {"pointwise": pointwise, "scatter": scatter, "reduction": reduction, "softmax": softmax,
              "layer_norm": layer_norm, "matmul": matmul, "attention": attention,
              "compact": compact, "to_extent": to_extent,
-             "argreduce": argreduce, "scan": scan, "sort": sort}
+             "argreduce": argreduce, "scan": scan, "sort": sort, "attn_combine": attn_combine}
 
 
 def table_writer_source(slots: list[dict], extents: dict | None = None) -> KernelSource:

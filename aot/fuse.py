@@ -12,7 +12,8 @@ from __future__ import annotations
 from .ir import Kernel, Load, Op, is_contiguous, loads, numel, walk
 from .views import reshape
 
-FUSABLE_PRODUCERS = {"pointwise", "reduction", "softmax", "layer_norm", "matmul", "attention"}
+FUSABLE_PRODUCERS = {"pointwise", "reduction", "softmax", "layer_norm", "matmul", "attention",
+                     "attn_combine"}
 
 
 def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
@@ -69,8 +70,9 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
                 if consumer.out.dynamic:   # user memory of the true size: stored by its own kernel
                     continue
                 producer = kernels[i]
-                if producer.family not in FUSABLE_PRODUCERS:
-                    continue
+                if (producer.family not in FUSABLE_PRODUCERS
+                        or producer.inputs.get("split", 1) > 1):
+                    continue   # split-K / split-KV partials: their reader applies the epilogue
                 if numel(producer.out_shape) != numel(consumer.out_shape):
                     continue
                 if not _identity_load(consumer.epilogue, consumer.out_shape, buf):

@@ -220,7 +220,7 @@ def expr_size(expr: Expr) -> int:
     return sum(1 for _ in walk(expr))
 
 
-def is_cheap(expr: Expr, limit: int = 24) -> bool:
+def is_cheap(expr: Expr, limit: int = 24, costly_ok: bool = False) -> bool:
     """Cheap enough to recompute in every tile that reads it (GEMM/attention operands): index
     arithmetic and plain arithmetic are fine; transcendentals, gathers and concatenations are
     computed once into memory instead."""
@@ -232,7 +232,7 @@ def is_cheap(expr: Expr, limit: int = 24) -> bool:
         if isinstance(node, Reindex) and any(m.kind == "expr" and loads(m.expr)
                                              for m in node.maps):
             return False   # a gather; index arithmetic alone (GQA's head // rep) is cheap
-        if isinstance(node, Op) and node.op in COSTLY:
+        if isinstance(node, Op) and node.op in COSTLY and not costly_ok:
             return False
     return True
 

@@ -147,11 +147,13 @@ class Lowering:
         self._count += 1
         return Buffer(name or f"buf{self._count}", kind, dtype, tuple(int(s) for s in shape))
 
-    def emit(self, kernel: Kernel) -> TV:
+    def emit(self, kernel: Kernel, value: bool = True) -> TV:
+        """Append the kernel; return its result as a value, unless it is none (a scatter writes
+        part of an existing buffer; `value=False`: scratch whose layout only its reader knows)."""
         if not kernel.label and self.node is not None:
             kernel.label = self.node.name
         self.kernels.append(kernel)
-        if kernel.family == "scatter":   # writes part of an existing buffer: no new value
+        if kernel.family == "scatter" or not value:
             return None
         ext = kernel.ext
         if ext is not None and tuple(kernel.out.shape) != tuple(kernel.out_shape):
@@ -167,9 +169,12 @@ class Lowering:
         out = into or self.new_buffer(tv.shape, tv.dtype)
         return self.emit(Kernel("pointwise", out, tv.shape, tv.expr, ext=tv.ext))
 
-    def operand(self, tv: TV) -> TV:
-        """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it."""
-        return tv if is_cheap(tv.expr) else self.realize(tv)
+    def operand(self, tv: TV, row: bool = False) -> TV:
+        """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it.
+        `row`: the single row of a GEMV, which every program recomputes for only K elements
+        next to the bn x K weights it streams, so transcendentals (a norm's rsqrt) are cheap
+        there and a kernel boundary is not."""
+        return tv if is_cheap(tv.expr, costly_ok=row) else self.realize(tv)
 
     # ---- the walk ----------------------------------------------------------------------------
     def run(self) -> Program:

@@ -13,7 +13,7 @@ import sympy
 import torch
 
 from . import shapes, views
-from .codegen import gemm_plan
+from .codegen import attention_plan, gemm_plan
 from .ir import (EXTENTS, FLOATS, Acc, Buffer, Const, DimMap, Index, Kernel, Load, Op, Reindex,
                  SymValue, compute_dtype, loads, numel)
 from .lower import LoweringError, as_operand, dtype_name, handles
@@ -643,7 +643,7 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
     shape, dtype = L.out_meta(node)
     if len(a.shape) == 2:
         a, b = views.unsqueeze(a, 0), views.unsqueeze(b, 0)
-    a, b = L.operand(a), L.operand(b)
+    a, b = L.operand(a, row=a.shape[1] == 1), L.operand(b)
     batch, m, k = a.shape
     n = b.shape[2]
     out_shape = (batch, m, n)
@@ -734,7 +734,18 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         inputs["mask"] = views.expand(mask, (b, h, lq, lk)).expr
     buf = L.new_buffer((b, h, lq, dv), dtype)
     ext = (q4.dim_ext(0), q4.dim_ext(1), q4.dim_ext(2), None)
-    out = L.emit(Kernel("attention", buf, (b, h, lq, dv), Acc("float32"), inputs, ext=ext))
+    split = attention_plan(b, h, lq, lk)[2]
+    if split == 1:
+        out = L.emit(Kernel("attention", buf, (b, h, lq, dv), Acc("float32"), inputs, ext=ext))
+        return views.view(out, shape)
+    # split-KV: every split's output and log-sum-exp into one float32 buffer, then a kernel that
+    # combines them and applies the epilogue (codegen.attention_plan)
+    partial = L.new_buffer((split * b * h * lq * (dv + 1),), "float32")
+    L.emit(Kernel("attention", partial, (b, h, lq, dv), Acc("float32"),
+                  dict(inputs, split=split), ext=ext), value=False)
+    out = L.emit(Kernel("attn_combine", buf, (b, h, lq, dv), Acc("float32"),
+                        {"partial": views.contiguous_load(partial).expr, "parts": split,
+                         "b": b, "h": h, "lq": lq, "dv": dv}, ext=ext))
     return views.view(out, shape)
 
 

@@ -148,8 +148,9 @@ def test_bad_arch_is_rejected(tmp_path):
 
 
 def test_deep_small_gemm_splits_k():
+    # four rows: one row would be a GEMV (tests/test_gemv_interpret.py), which never splits K
     model = torch.nn.Sequential(torch.nn.Linear(4096, 64), torch.nn.ReLU())
-    _, kernels = lowered(model, torch.randn(1, 4096))
+    _, kernels = lowered(model, torch.randn(4, 4096))
     assert families(kernels) == ["matmul", "reduction"]
     assert kernels[0].inputs["split"] > 1
     assert kernels[1].out.kind == "output"   # bias + ReLU + output copy fused into the reduction

@@ -172,7 +172,8 @@ def rel_err(got, ref) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
-def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("tf32x3",)) -> dict:
+def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("tf32x3",),
+                pdl_ab: bool = False) -> dict:
     import torch
 
     model, make_input = make()
@@ -198,18 +199,21 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("
         key = "grace" if prec == precisions[0] else f"grace[{prec}]"
         _bench_grace(result, key, model, x, workdir / f"{name}-{prec}.grace", prec,
                      iters, repeats, warmup)
+    if pdl_ab:   # the same model and precision with programmatic dependent launch
+        _bench_grace(result, "grace[pdl]", model, x, workdir / f"{name}-pdl.grace", precisions[0],
+                     iters, repeats, warmup, pdl=True)
     result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
     return result
 
 
-def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup):
+def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup, pdl=False):
     import torch
 
     from grace.aot import compile as grace_compile
     from grace.runtime import load
 
     t = time.perf_counter()
-    grace_compile(model.cpu(), (x.cpu(),), output=path, progress=False, fp32_matmul=prec)
+    grace_compile(model.cpu(), (x.cpu(),), output=path, progress=False, fp32_matmul=prec, pdl=pdl)
     notes = result["notes"]
     notes[f"{key}_compile_s"] = time.perf_counter() - t
     model.cuda()
@@ -600,6 +604,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp32-matmul", default="tf32x3",
                     help="comma-separated grace precisions to time (the first is 'grace'; the "
                          "dynamic workload uses the first only)")
+    ap.add_argument("--pdl-ab", action="store_true",
+                    help="static workloads: also time grace[pdl], the same model compiled with "
+                         "programmatic dependent launch (pdl=True)")
     dyn = ap.add_argument_group("dynamic workload (bert_base_dyn)")
     dyn.add_argument("--buckets", action="append", default=[], metavar="seq=B1,B2,...",
                      help="grace's bucket bounds for the sequence symbol 'seq' (as `grace compile "
@@ -671,7 +678,7 @@ def main(argv=None):
             _log(name)
             results.append(bench_model(name, available[name], args.iters, args.repeats,
                                        args.warmup, Path(tmp),
-                                       tuple(args.fp32_matmul.split(","))))
+                                       tuple(args.fp32_matmul.split(",")), args.pdl_ab))
             save()
         for name in args.dynamic:
             dynamic.append(bench_dynamic(name, args, Path(tmp), checkpoint=save))

@@ -1,0 +1,125 @@
+"""GEMV (one row of A: decode steps, batch-1 vectors) through the CPU reference executor against
+torch in fp64: ragged N and K, bias and activation epilogues, W or W^T, batched, fp16, a
+dynamic row count whose bucket is 1, and a dynamic K. One kernel per product (no split-K
+partial sums), checked from the package."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.export import Dim  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.formats import read_package  # noqa: E402
+
+from test_buckets_interpret import rel_err, run_cases  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+class Proj(torch.nn.Module):
+    """A linear layer with a GELU and a residual: the decode step's shape of work."""
+
+    def __init__(self, k, n, bias=True):
+        super().__init__()
+        self.lin = torch.nn.Linear(k, n, bias=bias)
+        self.skip = torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.lin(x)) + self.skip
+
+
+class RightWeight(torch.nn.Module):
+    """x @ W with W stored [K, N] (the weight's contiguous axis is N, not K)."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(k, n) / k ** 0.5)
+
+    def forward(self, x):
+        return x @ self.w
+
+
+class Batched(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b)
+
+
+def _kernels(path, graph=None):
+    m = read_package(path).manifest
+    graphs = m["graphs"] if graph is None else [g for g in m["graphs"] if g["name"] == graph]
+    return [m["kernels"][node["kernel"]]["family"] for g in graphs for node in g["nodes"]]
+
+
+def _check(model, inputs: dict, tmp_path, dynamic_shapes=None, buckets=None, runs=None, tol=1e-6):
+    model = model.eval()
+    names = list(inputs)
+    path = grace_compile(model, tuple(torch.as_tensor(v) for v in inputs.values()),
+                         output=tmp_path / "m.grace", progress=False, fp32_matmul="ieee",
+                         dynamic_shapes=dynamic_shapes, buckets=buckets)
+    runs = runs or [inputs]
+    got = run_cases(path, {f"r{i}": {n: np.asarray(v) for n, v in r.items()}
+                           for i, r in enumerate(runs)}, tmp_path)
+    for i, r in enumerate(runs):
+        out = got[f"r{i}"]
+        assert "error" not in out, out.get("error")
+        with torch.no_grad():
+            ref = model.double()(*[torch.as_tensor(r[n]).double()
+                                   if torch.as_tensor(r[n]).is_floating_point()
+                                   else torch.as_tensor(r[n]) for n in names])
+        model.float()
+        assert out["out"].shape == tuple(ref.shape)
+        assert np.isfinite(out["out"]).all()
+        assert rel_err(out["out"], ref.numpy()) < tol, (i, rel_err(out["out"], ref.numpy()))
+    return path
+
+
+def test_linear_with_ragged_sizes_and_epilogue(tmp_path):
+    torch.manual_seed(0)
+    path = _check(Proj(300, 37), {"x": torch.randn(1, 300)}, tmp_path)
+    # one kernel computes the product and its epilogue: no split-K partial sums to reduce
+    assert _kernels(path).count("matmul") == 1 and "reduction" not in _kernels(path)
+
+
+def test_long_k_without_bias(tmp_path):
+    torch.manual_seed(1)
+    _check(Proj(2500, 70, bias=False), {"x": torch.randn(1, 1, 2500)}, tmp_path)
+
+
+def test_weight_stored_k_by_n(tmp_path):
+    torch.manual_seed(2)
+    _check(RightWeight(96, 130), {"x": torch.randn(1, 96)}, tmp_path)
+
+
+def test_batched_rows(tmp_path):
+    torch.manual_seed(3)
+    _check(Batched(), {"a": torch.randn(3, 1, 40), "b": torch.randn(3, 40, 24)}, tmp_path)
+
+
+def test_half_precision(tmp_path):
+    torch.manual_seed(4)
+    model = Proj(96, 64).half()
+    x = torch.randn(1, 96).half()
+    path = grace_compile(model.eval(), (x,), output=tmp_path / "m.grace", progress=False)
+    got = run_cases(path, {"r": {"x": x.numpy()}}, tmp_path)["r"]["out"]
+    with torch.no_grad():
+        ref = model.double()(x.double())
+    assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3
+
+
+def test_dynamic_rows_in_a_bucket_of_one(tmp_path):
+    torch.manual_seed(5)
+    x = torch.randn(3, 64)
+    path = _check(Proj(64, 48), {"x": x}, tmp_path,
+                  dynamic_shapes={"x": {0: Dim("rows", min=1, max=8)}}, buckets={"rows": [1, 8]},
+                  runs=[{"x": torch.randn(1, 64)}, {"x": torch.randn(5, 64)}])
+    assert "reduction" not in _kernels(path, "rows=1")
+
+
+def test_dynamic_k(tmp_path):
+    torch.manual_seed(6)
+    s = Dim("s", min=1, max=64)
+    _check(Batched(), {"a": torch.randn(2, 1, 20), "b": torch.randn(2, 20, 8)}, tmp_path,
+           dynamic_shapes={"a": {2: s}, "b": {1: s}}, buckets={"s": [16, 64]},
+           runs=[{"a": torch.randn(2, 1, n), "b": torch.randn(2, n, 8)} for n in (10, 16, 40)])

@@ -1,0 +1,127 @@
+"""GEMV tile sweep on the GPU (M = 1, bf16 weights [N, K] row-major, fp32 accumulate): the
+decode-step shapes of Llama-3.2-1B and Llama-3-8B. Each configuration is timed as a chain of
+launches inside a CUDA graph, every launch reading a different copy of the weights (the copies
+together are several times the L2), so a figure is what one such kernel costs in a decode graph:
+its run plus its boundary. cuBLAS (torch.mv) is timed the same way beside it.
+
+    python -m grace.tools.gemv_sweep [--out sweep.json]
+
+Prints the best configurations per shape and TB/s (weight bytes / time); `--out` gets every
+timing (docs/performance.md, the sweep behind codegen's GEMV plan).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+SHAPES = {  # name: (N, K)
+    "1b.qkv": (3072, 2048), "1b.o": (2048, 2048), "1b.gate": (8192, 2048),
+    "1b.gate_up": (16384, 2048), "1b.down": (2048, 8192), "1b.head": (128256, 2048),
+    "8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate": (14336, 4096),
+    "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336), "8b.head": (128256, 4096),
+}
+TILES = [(bn, bk) for bn, bk in itertools.product((2, 4, 8, 16, 32), (128, 256, 512, 1024))
+         if 1024 <= bn * bk <= 8192]
+WARPS = (2, 4, 8)
+STAGES = (1, 2, 3)
+ROTATE_BYTES = 256 << 20   # weight copies per shape: at least this much (L2 is 60 MB)
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gemv(w_ptr, x_ptr, y_ptr, K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        rn = tl.program_id(0) * BN + tl.arange(0, BN)
+        acc = tl.zeros([BN, BK], tl.float32)
+        for kk in range(0, K, BK):
+            rk = kk + tl.arange(0, BK)
+            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :])
+            x = tl.load(x_ptr + rk)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(y_ptr + rn, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty))
+
+    return gemv
+
+
+def _time_chain(launch, copies, replays=20):
+    """µs per launch of `launch(i)` for i over the copies, captured as one CUDA graph."""
+    import torch
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for i in range(copies):   # warm-up: compiles and loads outside the capture
+            launch(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(copies):
+            launch(i)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            g.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (replays * copies))
+    return sorted(times)[len(times) // 2]
+
+
+def run(shapes=SHAPES, out=None) -> dict:
+    import torch
+    gemv = _kernel()
+    results = {"configs": {}, "cublas": {}, "check": {}}
+    for name, (n, k) in shapes.items():
+        nbytes = n * k * 2
+        copies = max(2, min(64, -(-ROTATE_BYTES // nbytes)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        ref = (ws[0].double() @ x.double())
+        results["cublas"][name] = _time_chain(lambda i: torch.mv(ws[i], x, out=y), copies)
+        per = {}
+        for (bn, bk), warps, stages in itertools.product(TILES, WARPS, STAGES):
+            if n % bn or k % bk:
+                continue
+            key = f"{bn}x{bk}/w{warps}/s{stages}"
+
+            def launch(i, bn=bn, bk=bk, warps=warps, stages=stages):
+                gemv[(n // bn,)](ws[i], x, y, k, bn, bk, num_warps=warps, num_stages=stages)
+
+            y.fill_(float("nan"))
+            launch(0)
+            torch.cuda.synchronize()
+            err = float((y.double() - ref).norm() / ref.norm())
+            if not err < 1e-2:
+                results["check"][f"{name}/{key}"] = err
+                continue
+            per[key] = _time_chain(launch, copies)
+        results["configs"][name] = per
+        del ws
+        torch.cuda.empty_cache()
+        best = sorted(per.items(), key=lambda kv: kv[1])[:4]
+        cb = results["cublas"][name]
+        print(f"{name:12s} N={n:6d} K={k:5d}  cuBLAS {cb:7.2f} us {nbytes / cb / 1e6:5.2f} TB/s | "
+              + "  ".join(f"{c} {t:.2f} us {nbytes / t / 1e6:.2f}" for c, t in best), flush=True)
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1))
+    return results
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write every timing to this JSON file")
+    ap.add_argument("--shapes", help="comma-separated subset of: " + ",".join(SHAPES))
+    args = ap.parse_args(argv)
+    shapes = {s: SHAPES[s] for s in args.shapes.split(",")} if args.shapes else SHAPES
+    run(shapes, args.out)
+
+
+if __name__ == "__main__":
+    main()
