@@ -83,11 +83,16 @@ class CompileReport:
     seconds: dict = field(default_factory=dict)
 
 
-def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None,  # noqa: A001
-            progress=False, fp32_matmul=None, jobs=None, dynamic_shapes=None,
+def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90",),  # noqa: A001
+            name=None, progress=False, fp32_matmul=None, jobs=None, dynamic_shapes=None,
             buckets=None, generate=None, pdl=False) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
+    `example_inputs` (positional) and `kwargs` (keyword example inputs) go to torch.export as its
+    `args` and `kwargs`; a `None` argument is no input of the package (as in torch.export). The
+    package's inputs are the tensor arguments, named after the forward's parameters; its outputs
+    are named by the model's output keys (a ModelOutput, dict or namedtuple: `logits`,
+    `last_hidden_state`, ...), plain tensors `out` / `out0, out1, ...`.
     `dynamic_shapes` goes to torch.export (`{"input_ids": {1: Dim("seq", min=1, max=512)}}`);
     each dynamic dimension becomes a size symbol named after its Dim (or `<input>.<dim>` for a
     program exported elsewhere). `buckets` overrides the default bucket bounds per symbol:
@@ -106,23 +111,30 @@ def compile(program, example_inputs=None, *, output, archs=("sm_90",), name=None
                              tuple((generate or {}).items()), bool(pdl))
     dim_names = None
     if isinstance(program, torch.nn.Module):
-        if example_inputs is None:
-            raise ValueError("example_inputs are required to export an nn.Module")
+        if example_inputs is None and not kwargs:
+            raise ValueError("example_inputs (or kwargs) are required to export an nn.Module")
         name = name or type(program).__name__
-        dim_names = _dim_names(program, example_inputs, dynamic_shapes)
-        program = export.export_model(program, example_inputs, dynamic_shapes)
+        dim_names = _dim_names(program, example_inputs, dynamic_shapes, kwargs)
+        program = export.export_model(program, example_inputs, dynamic_shapes, kwargs)
     elif not isinstance(program, torch.export.ExportedProgram):
         raise TypeError(f"expected an nn.Module or torch.export.ExportedProgram, "
                         f"got {type(program).__name__}")
     return compile_program(program, Path(output), name or "model", options, dim_names).path
 
 
-def _dim_names(model, example_inputs, dynamic_shapes) -> dict:
+def _dim_names(model, example_inputs, dynamic_shapes, kwargs=None) -> dict:
     """(input name, dim) -> the user's Dim name, so symbols are called what the user called them."""
     import inspect
     if not dynamic_shapes:
         return {}
     params = list(inspect.signature(model.forward).parameters)
+    if not isinstance(dynamic_shapes, dict):   # a tuple: the arguments given, in forward's order
+        args = example_inputs if isinstance(example_inputs, (tuple, list)) else \
+            (() if example_inputs is None else (example_inputs,))
+        try:
+            params = list(inspect.signature(model.forward).bind(*args, **(kwargs or {})).arguments)
+        except TypeError:
+            pass   # torch.export reports the mismatch
     specs = dynamic_shapes.items() if isinstance(dynamic_shapes, dict) else \
         zip(params, dynamic_shapes)
     out = {}
@@ -140,7 +152,8 @@ def _say(options: CompileOptions, msg: str):
         Console(stderr=True).print(msg)
 
 
-def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict) -> package.GraphBuild:
+def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict,
+                  output_names=None) -> package.GraphBuild:
     """One graph: the program lowered with every input symbol at its bucket bound."""
     bucket = {s.expr: bounds[s.name] for s in symbols if s.kind == "input"}
     try:
@@ -148,6 +161,8 @@ def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict) -> pack
     except (lower.LoweringError, shapes.ShapeError) as exc:
         relocate(exc, core)   # "used at" the user's line, not torch/nn/modules/*.py
         raise
+    if output_names is not None:   # the model's own names (logits, last_hidden_state, ...)
+        package.name_outputs(lowered, output_names)
     if options.generate:
         generation.add_state(lowered, dict(options.generate))
     kernels = memplan.drop_empty(fuse.fuse_epilogues(lowered.kernels))
@@ -185,9 +200,10 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
     if options.generate:   # decode (one token) is a bucket of its own
         generation.add_decode_bucket(core, symbols, lists, dict(options.generate))
     sym_index = {s.expr: i for i, s in enumerate(symbols)}
+    out_names = program_output_names(core)
     graphs = []
     for bounds in shapes.combinations(symbols, lists):
-        graphs.append(_lower_bucket(core, name, options, symbols, sym_index, bounds))
+        graphs.append(_lower_bucket(core, name, options, symbols, sym_index, bounds, out_names))
     _check_same_interface(graphs)
     checks = package.index_checks(graphs, symbols)   # gathers' bounds checks (format 3.3)
     layouts = [package.table_layout(g.program, len(symbols), bool(checks))
@@ -233,10 +249,24 @@ def compile_program(program, output: Path, name: str, options: CompileOptions,
 
 def decompose(program):
     """export.to_core_aten, without the FutureWarnings torch's own code raises inside it (its
-    deprecated pytree classes): torch-internal noise, nothing the user could act on."""
+    deprecated pytree classes): torch-internal noise, nothing the user could act on. Inputs that
+    torch.export recorded as constants (a `None` argument) are dropped: no input of the package."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        return export.to_core_aten(program)
+        return export.drop_constant_inputs(export.to_core_aten(program))
+
+
+def program_output_names(core) -> list[str]:
+    """The package's output names: the model's output keys (export.output_names), unique and
+    distinct from the input names."""
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = core.graph_signature
+    count = sum(1 for s in sig.output_specs if s.kind == OutputKind.USER_OUTPUT)
+    inputs = [s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)   # torch's deprecated pytree accessors
+        return export.output_names(core, count, inputs)
 
 
 def _check_same_interface(graphs) -> None:

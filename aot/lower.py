@@ -243,19 +243,87 @@ class Lowering:
             self.state_data[buf.name] = tensor.contiguous().cpu()
             return views.contiguous_load(buf)
         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
-            tensor = state[spec.target].detach()
-            # Tied weights (an LM head sharing the embedding table) are one tensor under two
-            # names: give them one buffer, so the package stores and uploads the bytes once.
-            key = (tensor.device.type, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-                   tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-            buf = self._weight_of.get(key) if tensor.numel() else None
-            if buf is None:
-                buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "weight", spec.target)
-                self.weights.append(buf)
-                self.weight_data[buf.name] = tensor.contiguous().cpu()
-                self._weight_of[key] = buf
-            return views.contiguous_load(buf)
+            return self.weight(spec.target, state[spec.target].detach())
         raise LoweringError(f"input '{node.name}' of kind {spec.kind.name} is not supported")
+
+    def weight(self, name: str, tensor: torch.Tensor) -> TV:
+        """A parameter or buffer, stored once per storage. Tied weights (an LM head sharing the
+        embedding table: one tensor under two names, or two parameters of one storage and view)
+        get one buffer, so the package stores and uploads the bytes once. Different views of one
+        storage (a parameter that is a slice or transpose of another) read one buffer, the span
+        of the storage they cover, through their offset and strides (`_storage_hosts`)."""
+        key = _weight_key(tensor)
+        buf = self._weight_of.get(key) if key is not None else None
+        if buf is not None:
+            return views.contiguous_load(buf)
+        host = self._storage_hosts().get(key[:3]) if key is not None else None
+        if (host is not None and host["lo"] <= tensor.storage_offset()
+                and _span_end(tensor) <= host["hi"]):
+            return self._host_view(host, tensor)
+        buf = self.new_buffer(tensor.shape, dtype_name(tensor.dtype), "weight", name)
+        self.weights.append(buf)
+        self.weight_data[buf.name] = tensor.contiguous().cpu()
+        if key is not None:
+            self._weight_of[key] = buf
+        return views.contiguous_load(buf)
+
+    def _storage_hosts(self) -> dict:
+        """Storages that the program's weights view in more than one way: (device, storage,
+        dtype) -> {lo, hi: the element span they cover; host: the name and tensor of the weight
+        that is exactly that span, contiguous, or None (the span is stored as a 1-D weight);
+        buf: its buffer, made on first use}. Computed once per lowering, from every weight
+        placeholder that something reads."""
+        hosts = getattr(self, "_hosts", None)
+        if hosts is not None:
+            return hosts
+        sig = self.program.graph_signature
+        state = {**self.program.state_dict, **self.program.constants}
+        used = {n.name for n in self.program.graph_module.graph.nodes
+                if n.op == "placeholder" and n.users and n not in self.folded}
+        groups: dict = {}
+        for spec in sig.input_specs:
+            if (spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER)
+                    or spec.target in self.mutated or spec.arg.name not in used):
+                continue
+            tensor = state[spec.target].detach()
+            key = _weight_key(tensor)
+            if key is not None:
+                views_of = groups.setdefault(key[:3], {})
+                views_of.setdefault(key, (spec.target, tensor))
+        hosts = {}
+        order = {name: i for i, name in enumerate(state)}   # the module's own order
+        for skey, views_of in groups.items():
+            if len(views_of) < 2:
+                continue   # one view (however many names): the plain path shares its buffer
+            members = sorted(views_of.values(), key=lambda m: order.get(m[0], len(order)))
+            lo = min(t.storage_offset() for _, t in members)
+            hi = max(_span_end(t) for _, t in members)
+            host = next(((nm, t) for nm, t in members if t.is_contiguous()
+                         and t.storage_offset() == lo and t.numel() == hi - lo), None)
+            hosts[skey] = {"lo": lo, "hi": hi, "host": host, "first": members[0], "buf": None}
+        self._hosts = hosts
+        return hosts
+
+    def _host_view(self, host: dict, tensor: torch.Tensor) -> TV:
+        """`tensor` read from the buffer of its storage's span, at its offset and strides."""
+        if host["buf"] is None:
+            if host["host"] is not None:
+                name, data = host["host"]
+            else:
+                first_name, first = host["first"]
+                name = f"{first_name}.storage"
+                taken = {b.name for b in self.weights}
+                n = 2
+                while name in taken:
+                    name, n = f"{first_name}.storage{n}", n + 1
+                data = torch.as_strided(first, (host["hi"] - host["lo"],), (1,), host["lo"])
+            buf = self.new_buffer(data.shape, dtype_name(data.dtype), "weight", name)
+            self.weights.append(buf)
+            self.weight_data[buf.name] = data.contiguous().cpu()
+            host["buf"] = buf
+        buf = host["buf"]
+        return TV(Load(buf, tensor.storage_offset() - host["lo"], tuple(tensor.stride())),
+                  tensor.shape)
 
     def constant(self, node, value):
         """A value computed at compile time (masks, position ids): stored like a weight."""
@@ -455,6 +523,25 @@ class Lowering:
         if isinstance(tv, TV) and isinstance(tv.expr, Load) and tv.expr.buf.kind == "state":
             return tv.expr.buf
         return None
+
+
+def _weight_key(tensor: torch.Tensor):
+    """(device, storage, dtype, offset, shape, strides) of a weight: equal keys are one tensor's
+    bytes under two names. None for a tensor without real storage to compare (empty, meta)."""
+    if tensor.numel() == 0 or tensor.device.type == "meta" or tensor.layout != torch.strided:
+        return None
+    try:
+        ptr = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return (tensor.device.type, ptr, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()))
+
+
+def _span_end(tensor: torch.Tensor) -> int:
+    """One past the last storage element a (non-empty) tensor view reads."""
+    extent = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride()))
+    return tensor.storage_offset() + extent + 1
 
 
 def _is_size_arithmetic(node) -> bool:

@@ -37,6 +37,18 @@ def table_layout(program: Program, n_symbols: int = 0,
     return slots, extents, layout.nbytes, error_word
 
 
+def name_outputs(program: Program, names: list[str]) -> None:
+    """Rename the program's output buffers (the lowering calls them out/out0, out1, ...) to
+    `names`, one per output in order; their recorded sizes move with them."""
+    if len(names) != len(program.outputs):
+        raise AssertionError(f"internal: {len(names)} output names for "
+                             f"{len(program.outputs)} outputs")
+    sizes = [program.sizes.pop(buf.name) for buf in program.outputs]
+    for buf, name, size in zip(program.outputs, names, sizes):
+        buf.name = name
+        program.sizes[name] = size
+
+
 @dataclass
 class GraphBuild:
     """One bucket's compiled graph: its program, kernels, memory plan and sources."""

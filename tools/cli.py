@@ -101,7 +101,10 @@ def _summarize(outputs: dict, console) -> None:
     from rich.table import Table
 
     t = Table(box=box.SIMPLE_HEAD, title="outputs", title_justify="left", title_style="bold")
-    for c, j in (("name", "left"), ("dtype", "left"), ("shape", "left"), ("min", "right"), ("max", "right"),
+    # the model's output names (pooler_output, last_hidden_state) in full, not cut to "pooler_ou…"
+    longest = max((len(str(n)) for n in outputs), default=4)
+    t.add_column("name", justify="left", min_width=min(longest, 40), overflow="fold")
+    for c, j in (("dtype", "left"), ("shape", "left"), ("min", "right"), ("max", "right"),
                  ("mean", "right"), ("nan", "right")):
         t.add_column(c, justify=j)
     for name, a in outputs.items():
@@ -339,7 +342,10 @@ def _load_export(src: str):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecations, not the user's
-            ep = torch.export.load(src)
+            # torch.export.load, with the pytree types the file names (transformers' outputs)
+            # imported first, or read by name (grace.aot.export.load)
+            from grace.aot.export import load
+            ep = load(src)
     except Exception as e:
         cause = f"{type(e).__name__}: {_one_line(e)}"
         for rec in records:
@@ -496,7 +502,9 @@ def cmd_run(args) -> int:
             raise _no_device(e) from e
         mode = f"GPU {args.device}"
     dt = time.perf_counter() - t0
-    console = Console(stderr=False)
+    # piped output (CI logs) gets a wider table than rich's 80-column default, as inspect does
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    console = Console(width=120) if wide else Console(stderr=False)
     _summarize(outputs, console)
     console.print(f"ran on {mode} in {dt * 1e3:.1f} ms" + ("" if poison else " (arena not poisoned)"))
     if args.output:
