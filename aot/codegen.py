@@ -711,7 +711,8 @@ def attention(kernel: Kernel, w: Writer):
     if split > 1:
         _store_attention_partial(w, kernel, split, m_term, bm, bdv)
         return (cdiv(lq, bm), b * h, split), 4, 2
-    w.emit("o = acc / l_i[:, None]")
+    # a row whose keys are all masked out is 0, as torch's SDPA gives (left padding)
+    w.emit("o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]")
     mask = _mask(w, "mask", m_term, None if dv == bdv else f"(rdv[None, :] < {dv})")
     w.emit(f"zero = tl.zeros([{bm}, {bdv}], tl.int32)")
     ctx = Ctx(w, (b, h, lq, dv), ["ib", "ih", "rm[:, None]", "rdv[None, :]"],
@@ -792,7 +793,8 @@ def attn_combine(kernel: Kernel, w: Writer):
                         None if dv == bdv else f"(rdv[None, None, :] < {dv})")
     w.emit(f"part = tl.load({src} + row[:, :, None] * {dv} + rdv[None, None, :]"
            + (f", mask={o_mask}, other=0.0)" if o_mask else ")"))
-    w.emit("o = tl.sum(part * wt[:, :, None], axis=0) / tl.sum(wt, axis=0)[:, None]")
+    w.emit("den = tl.sum(wt, axis=0)")   # 0: every split saw no key (the row is 0, as in torch)
+    w.emit("o = tl.sum(part * wt[:, :, None], axis=0) / tl.where(den > 0, den, 1.0)[:, None]")
     mask = _mask(w, "mask", m_term, None if dv == bdv else f"(rdv[None, :] < {dv})")
     w.emit(f"zero = tl.zeros([{bm}, {bdv}], tl.int32)")
     ctx = Ctx(w, (b, h, lq, dv), ["ib", "ih", "rm[:, None]", "rdv[None, :]"],

@@ -220,21 +220,30 @@ def expr_size(expr: Expr) -> int:
     return sum(1 for _ in walk(expr))
 
 
-def is_cheap(expr: Expr, limit: int = 24, costly_ok: bool = False) -> bool:
+def is_cheap(expr: Expr, limit: int = 24, row: bool = False) -> bool:
     """Cheap enough to recompute in every tile that reads it (GEMM/attention operands): index
     arithmetic and plain arithmetic are fine; transcendentals, gathers and concatenations are
-    computed once into memory instead."""
+    computed once into memory instead. `row`: the operand is a handful of rows (a GEMV's row,
+    a decode step's queries), so each program recomputes only those few elements and anything
+    within a larger node budget is cheaper than a kernel boundary (a norm, a rotary embedding)."""
     count = 0
     for node in walk(expr):
         count += 1
-        if isinstance(node, Cat) or count > limit:
+        if count > (ROW_OPERAND_NODES if row else limit):
+            return False
+        if row:
+            continue
+        if isinstance(node, Cat):
             return False
         if isinstance(node, Reindex) and any(m.kind == "expr" and loads(m.expr)
                                              for m in node.maps):
             return False   # a gather; index arithmetic alone (GQA's head // rep) is cheap
-        if isinstance(node, Op) and node.op in COSTLY and not costly_ok:
+        if isinstance(node, Op) and node.op in COSTLY:
             return False
     return True
+
+
+ROW_OPERAND_NODES = 64
 
 
 EXTENTS = Buffer("extents", "extents", "int64", (0,))   # the extents table (symbol values)

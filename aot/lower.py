@@ -15,7 +15,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from . import shapes, views
+from . import linear_groups, shapes, views
 from .ir import (Buffer, Const, Expr, Kernel, Load, Op, Program, SymValue,
                  contiguous_strides, expr_size, is_cheap, loads, walk)
 from .ops import COSTLY
@@ -122,6 +122,9 @@ class Lowering:
         # nodes whose effect an earlier handler already applied (a batch norm folded into the
         # convolution before it): their handler passes the input through
         self.absorbed: set = set()
+        # results a handler computed for later nodes (sibling linear layers fused into one GEMM)
+        self.precomputed: dict = {}
+        self._placeholders_of: dict | None = None   # weight buffer -> placeholders naming it
 
     # ---- sizes at this bucket -----------------------------------------------------------------
     def size_of(self, size) -> int:
@@ -171,10 +174,11 @@ class Lowering:
 
     def operand(self, tv: TV, row: bool = False) -> TV:
         """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it.
-        `row`: the single row of a GEMV, which every program recomputes for only K elements
-        next to the bn x K weights it streams, so transcendentals (a norm's rsqrt) are cheap
-        there and a kernel boundary is not."""
-        return tv if is_cheap(tv.expr, costly_ok=row) else self.realize(tv)
+        `row`: a handful of rows (the single row of a GEMV, a decode step's queries), which
+        every program recomputes for only those elements next to the weights or keys it
+        streams, so a norm's rsqrt or a rotary embedding is cheap there and a kernel boundary
+        is not (ir.is_cheap)."""
+        return tv if is_cheap(tv.expr, row=row) else self.realize(tv)
 
     # ---- the walk ----------------------------------------------------------------------------
     def run(self) -> Program:
@@ -344,6 +348,22 @@ class Lowering:
         self.weight_data[buf.name] = tensor.detach().contiguous().cpu()
         return views.contiguous_load(buf)
 
+    def is_weight_node(self, node) -> bool:
+        """A placeholder that is a weight of its own (not tied to another placeholder's)."""
+        tv = self.env.get(node) if node.op == "placeholder" else None
+        if not (isinstance(tv, TV) and isinstance(tv.expr, Load) and tv.expr.buf.kind == "weight"):
+            return False
+        if self._placeholders_of is None:   # placeholders precede every call in the graph
+            self._placeholders_of = {}
+            for n, v in self.env.items():
+                if n.op == "placeholder" and isinstance(v, TV) and isinstance(v.expr, Load):
+                    key = id(v.expr.buf)
+                    self._placeholders_of[key] = self._placeholders_of.get(key, 0) + 1
+        return self._placeholders_of.get(id(tv.expr.buf)) == 1
+
+    def weight_tensor(self, node) -> torch.Tensor:
+        return self.weight_data[self.env[node].expr.buf.name]
+
     def _drop_unread_weights(self) -> None:
         """Weights no kernel reads (a convolution's weights once a batch norm is folded into a
         copy of them) are not stored in the package."""
@@ -369,7 +389,8 @@ class Lowering:
                 raise
             raise LoweringError(f"{exc} — in {node.target} (node '{node.name}'), used at "
                                 f"{source_line(node)}") from exc
-        if isinstance(value, TV) and len(node.users) > 1 and _worth_sharing(value):
+        if (isinstance(value, TV) and len(node.users) > 1 and _worth_sharing(value)
+                and not linear_groups.feeds_one_group(node, self.is_weight_node)):
             value = self.store(value)
         elif isinstance(value, TV) and expr_size(value.expr) > 160:
             value = self.store(value)

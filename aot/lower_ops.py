@@ -12,7 +12,7 @@ import operator
 import sympy
 import torch
 
-from . import shapes, views
+from . import linear_groups, shapes, views
 from .codegen import attention_plan, gemm_plan
 from .ir import (EXTENTS, FLOATS, Acc, Buffer, Const, DimMap, Index, Kernel, Load, Op, Reindex,
                  SymValue, compute_dtype, loads, numel)
@@ -639,8 +639,8 @@ def _layer_norm(L, node, x, normalized_shape, weight, bias, eps):
 
 
 # ---- contractions ----------------------------------------------------------------------------
-def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
-    shape, dtype = L.out_meta(node)
+def _matmul(L, node, a: TV, b: TV, epilogue_fn=None, meta=None) -> TV:
+    shape, dtype = meta or L.out_meta(node)
     if len(a.shape) == 2:
         a, b = views.unsqueeze(a, 0), views.unsqueeze(b, 0)
     a, b = L.operand(a, row=a.shape[1] == 1), L.operand(b)
@@ -675,13 +675,41 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None) -> TV:
 
 @handles(aten.mm.default, aten.bmm.default)
 def _mm(L, node, a, b):
+    if node in L.precomputed:
+        return L.precomputed.pop(node)
+    group = linear_groups.group_of(node, L.is_weight_node) if node.target == aten.mm.default else []
+    if group:
+        return _linear_group(L, group, a)
     return _matmul(L, node, a, b)
 
 
-@handles(aten.addmm.default)
-def _addmm(L, node, bias, a, b, beta=1, alpha=1):
-    shape, dtype = L.out_meta(node)
+def _linear_group(L, group, rows: TV, bias=None) -> TV:
+    """The first of sibling linear layers (aot/linear_groups.py): one GEMM over their weights
+    (and biases) concatenated at compile time; each layer's result is its column slice."""
+    weights = [linear_groups.projection(m, L.is_weight_node) for m in group]
+    w = torch.cat([L.weight_tensor(wn) for wn, _ in weights], dim=0)
+    names = "+".join(wn.name for wn, _ in weights)
+    wt = views.permute(L.derived_weight(f"fused.{names}", w), [1, 0])
+    widths = [L.out_meta(m)[0][-1] for m in group]
+    shape, dtype = L.out_meta(group[0])
+    meta = (shape[:-1] + (sum(widths),), dtype)
+    if bias is None:
+        out = _matmul(L, group[0], rows, wt, meta=meta)
+    else:
+        b = torch.cat([L.weight_tensor(bn) for _, bn in weights], dim=0)
+        bias_tv = L.derived_weight(f"fused.{names}.bias", b)
+        out = _matmul(L, group[0], rows, wt, _bias_epilogue(bias_tv, meta[0]), meta=meta)
+    start = 0
+    parts = []
+    for m, width in zip(group, widths):
+        parts.append(views.slice_(out, len(shape) - 1, start, start + width))
+        start += width
+    for m, part in zip(group[1:], parts[1:]):
+        L.precomputed[m] = part
+    return parts[0]
 
+
+def _bias_epilogue(bias, shape, beta=1, alpha=1):
     def epilogue(acc, out_shape):
         bias_e = views.unsqueeze(views.expand(bias, shape), 0).expr
         if bias.dtype != "float32":
@@ -691,7 +719,21 @@ def _addmm(L, node, bias, a, b, beta=1, alpha=1):
             bias_e = Op("mul", [bias_e, Const(beta, "float32")], "float32")
         return Op("add", [value, bias_e], "float32")
 
-    return _matmul(L, node, a, b, epilogue)
+    return epilogue
+
+
+@handles(aten.addmm.default)
+def _addmm(L, node, bias, a, b, beta=1, alpha=1):
+    if node in L.precomputed:
+        return L.precomputed.pop(node)
+    group = linear_groups.group_of(node, L.is_weight_node)
+    if group:
+        return _linear_group(L, group, a, bias=True)
+    shape, dtype = L.out_meta(node)
+    return _matmul(L, node, a, b, _bias_epilogue(bias, shape, beta, alpha))
+
+
+ROW_QUERIES = 16   # query rows (one attention tile) that each program may recompute
 
 
 @handles(aten.scaled_dot_product_attention.default)
@@ -720,7 +762,7 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             maps = [DimMap("dim", 0), DimMap("expr", expr=head), DimMap("dim", 2), DimMap("dim", 3)]
             return TV(Reindex(t.expr, maps), (b, h) + t.shape[2:], t.ext)
         k4, v4 = widen(k4), widen(v4)
-    q4, k4, v4 = L.operand(q4), L.operand(k4), L.operand(v4)
+    q4, k4, v4 = L.operand(q4, row=lq <= ROW_QUERIES), L.operand(k4), L.operand(v4)
     inputs = {"q": q4.expr, "k": k4.expr, "v": v4.expr, "b": b, "h": h, "lq": lq, "lk": lk,
               "d": d, "dv": dv, "causal": bool(is_causal),
               "scale": float(scale) if scale is not None else 1.0 / math.sqrt(d),

@@ -122,3 +122,16 @@ def test_dynamic_key_length(tmp_path):
                 dynamic_shapes={"q": None, "k": {2: s}, "v": {2: s}, "mask": {3: s}},
                 buckets={"s": [1024]})
     assert "attn_combine" in _families(path)
+
+
+@pytest.mark.parametrize("lk", [64, 512])   # one key block walk, and split keys
+def test_a_query_row_with_every_key_masked_is_zero(tmp_path, lk):
+    """As torch's SDPA gives: left padding masks whole rows, and a NaN there would spread."""
+    torch.manual_seed(4)
+    runs = []
+    for row in (0, 2):
+        q, k, v = _qkv(1, 2, 2, 3, lk, 16)
+        mask = _valid_upto(3, lk, 40, additive=False).clone()
+        mask[..., row, :] = False
+        runs.append((q, k, v, mask))
+    _run(Attend(), runs[0], tmp_path, runs)
