@@ -349,9 +349,14 @@ class Lowering:
         return views.contiguous_load(buf)
 
     def is_weight_node(self, node) -> bool:
-        """A placeholder that is a weight of its own (not tied to another placeholder's)."""
+        """A placeholder that is a weight of its own: not tied to another placeholder's, and
+        the whole of its buffer in order (not a view into a storage that others share)."""
         tv = self.env.get(node) if node.op == "placeholder" else None
         if not (isinstance(tv, TV) and isinstance(tv.expr, Load) and tv.expr.buf.kind == "weight"):
+            return False
+        ld = tv.expr
+        if (ld.offset != 0 or tuple(ld.buf.shape) != tuple(tv.shape)
+                or tuple(ld.strides) != tuple(contiguous_strides(tv.shape))):
             return False
         if self._placeholders_of is None:   # placeholders precede every call in the graph
             self._placeholders_of = {}
