@@ -323,11 +323,17 @@ def _verify_sections(buf: memoryview, sections: list[SectionEntry]) -> None:
             view = buf[s.offset + start:s.offset + min(start + chunk, s.nbytes)]
             jobs.append((f"section {s.name!r} (chunk {k}, bytes {start}..{start + view.nbytes})",
                          view, bytes(table[8 + 32 * k:8 + 32 * (k + 1)])))
-    big = sum(view.nbytes for _, view, _ in jobs) > HASH_CHUNK_NBYTES
-    with ThreadPoolExecutor(_VERIFY_THREADS if big else 1, thread_name_prefix="grace-verify") as pool:
-        for (what, _, expected), digest in zip(jobs, pool.map(lambda j: hashlib.sha256(j[1]).digest(), jobs)):
-            if digest != expected:
-                raise ChecksumError(f"sha256 mismatch in {what}")
+    def digest(job):
+        return hashlib.sha256(job[1]).digest()
+
+    if sum(view.nbytes for _, view, _ in jobs) > HASH_CHUNK_NBYTES:
+        with ThreadPoolExecutor(_VERIFY_THREADS, thread_name_prefix="grace-verify") as pool:
+            digests = list(pool.map(digest, jobs))
+    else:   # a small package: hashing takes less than starting a thread
+        digests = map(digest, jobs)
+    for (what, _, expected), got in zip(jobs, digests):
+        if got != expected:
+            raise ChecksumError(f"sha256 mismatch in {what}")
 
 
 def _parse_index(index: memoryview, count: int) -> list[SectionEntry]:

@@ -30,10 +30,13 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from . import limits
 from .container import FORMAT_VERSION, check_section_name
 from .dtypes import DTYPES, numel
 from .errors import FormatError, ManifestError
-from .shapes import check_shape_expr, expr_symbols, format_shape_expr
+from .limits import I64_MAX as _I64_MAX
+from .limits import MAX_RANK
+from .shapes import check_shape_expr, expr_magnitude, expr_symbols, format_shape_expr
 from .table import SLOT_ALIGN, slot_nbytes, word_count
 
 SLOT_ROLES = ("input", "output")
@@ -45,13 +48,13 @@ STATE_INITS = ("zeros", "data")  # zero-filled (no bytes in the file) or a tenso
 FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
 WORD_PARAM_TYPES = ("i64", "i32")  # a {"word": i} argument is an integer scalar
 WEIGHT_ALIGN = 256  # weights and state entries alike
-MAX_RANK = 64
 SYMBOL_KINDS = ("input", "data")
 EXTENTS_ALIGN = 8  # symbol values are int64 table words
 ERRORS_ALIGN = 8   # the index-check error word is one int64
-_I64_MAX = 2**63 - 1  # symbol values and bounds travel as int64 table words
 _SYMBOL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
-_GRID_MAX = (2**31 - 1, 65535, 65535)  # CUDA gridDim limits
+_GRID_MAX = limits.MAX_GRID
+# kernels are looked up by name in their cubin (cuModuleGetFunction): a C identifier
+_KERNEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
 _PARAM_TYPE_RE = re.compile(r"\*?(i1|i8|i16|i32|i64|u8|u16|u32|u64|fp8e4nv|fp8e5|fp16|bf16|fp32|fp64)")
 _ARCH_RE = re.compile(r"sm_[0-9]+[a-z]?")
 
@@ -91,9 +94,12 @@ def _dict(v, path: str) -> dict:
     return v
 
 
-def _list(v, path: str) -> list:
+def _list(v, path: str, most: int | None = None) -> list:
+    """A list; `most`: its cap on entries (formats.limits), so no loop over it is unbounded."""
     if not isinstance(v, (list, tuple)):
         _fail(path, f"expected a list, got {_type_name(v)}")
+    if most is not None and len(v) > most:
+        _fail(path, f"{len(v)} entries, above the limit of {most}")
     return v
 
 
@@ -103,7 +109,9 @@ def _str(v, path: str) -> str:
     return v
 
 
-def _int(v, path: str, lo: int | None = None, hi: int | None = None) -> int:
+def _int(v, path: str, lo: int | None = None, hi: int | None = _I64_MAX) -> int:
+    """An int (not a bool) in [lo, hi]; every int of a manifest is at most int64's maximum unless
+    a tighter cap applies (formats.limits)."""
     if not _is_int(v):
         _fail(path, f"expected an int, got {_type_name(v)}")
     if lo is not None and v < lo:
@@ -120,10 +128,21 @@ def _dtype(v, path: str) -> str:
 
 
 def _shape(v, path: str) -> list:
-    v = _list(v, path)
+    v = _list(v, path, MAX_RANK)
     for i, d in enumerate(v):
         _int(d, f"{path}[{i}]", lo=0)
     return v
+
+
+def _span_check(path: str, dims, itemsize: int, what: str) -> None:
+    """A tensor's dims (or bounds on them) keep prod(max(d, 1)) * itemsize within
+    MAX_TENSOR_NBYTES: that bounds its bytes and also its strides, whatever dims are 0."""
+    span = itemsize
+    for d in dims:
+        span *= max(d, 1)
+        if span > limits.MAX_TENSOR_NBYTES:
+            _fail(path, f"{what} spans more than {limits.MAX_TENSOR_NBYTES} bytes "
+                        "(the product of its dims, zeros counted as 1, times the item size)")
 
 
 def _section_ref(v, path: str, section_names) -> str:
@@ -157,8 +176,8 @@ def validate_manifest(manifest, section_names=None) -> None:
 
     if "format_version" in m:
         fv = _list(m["format_version"], "format_version")
-        if len(fv) != 2 or not all(_is_int(x) for x in fv):
-            _fail("format_version", f"expected [major, minor], got {fv!r}")
+        if len(fv) != 2 or not all(_is_int(x) and 0 <= x <= 0xFFFF for x in fv):
+            _fail("format_version", f"expected [major, minor] (u16 each), got {fv!r}")
         if fv[0] != FORMAT_VERSION[0]:
             _fail("format_version", f"major version {fv[0]} is not {FORMAT_VERSION[0]}: "
                                     "recompile the model with this grace")
@@ -166,7 +185,7 @@ def validate_manifest(manifest, section_names=None) -> None:
         if key in m:
             _dict(m[key], key)
 
-    archs = _list(_get(m, "archs", "manifest"), "archs")
+    archs = _list(_get(m, "archs", "manifest"), "archs", limits.MAX_ARCHS)
     if not archs:
         _fail("archs", "at least one target architecture is required")
     for i, a in enumerate(archs):
@@ -191,6 +210,7 @@ def validate_manifest(manifest, section_names=None) -> None:
     _arena_buffers(m, regions)
     kernels = _kernels(m, archs, section_names)
     graphs = _graphs(m, kernels, regions, words, symbols)
+    _io_extents(inputs, outputs, m.get("index_checks", ()), graphs, symbols)
     if "generate" in m:
         _generate(m["generate"], inputs, outputs, state, len(graphs), kernels, regions, words)
 
@@ -198,13 +218,13 @@ def validate_manifest(manifest, section_names=None) -> None:
 def _regions(m: dict) -> dict:
     regions = _dict(_get(m, "regions", "manifest"), "regions")
     for r in REGIONS:
-        _int(_get(regions, r, "regions"), f"regions.{r}", lo=0)
+        _int(_get(regions, r, "regions"), f"regions.{r}", lo=0, hi=limits.MAX_REGION_NBYTES)
     return regions
 
 
 def _symbols(m: dict) -> dict[str, Symbol]:
     """Check `symbols` on its own (sources are checked against the inputs by `_symbol_sources`)."""
-    entries = _list(_get(m, "symbols", "manifest"), "symbols")
+    entries = _list(_get(m, "symbols", "manifest"), "symbols", limits.MAX_SYMBOLS)
     symbols: dict[str, Symbol] = {}
     for i, s in enumerate(entries):
         p = f"symbols[{i}]"
@@ -233,7 +253,7 @@ def _symbols(m: dict) -> dict[str, Symbol]:
 def _sources(v, path: str) -> tuple:
     """A symbol's sources as (input_index, dim) pairs: well-formed and without repeats."""
     pairs: list[tuple[int, int]] = []
-    for j, src in enumerate(_list(v, path)):
+    for j, src in enumerate(_list(v, path, 2 * limits.MAX_IO)):
         sp = f"{path}[{j}]"
         _list(src, sp)
         if len(src) != 2:
@@ -252,7 +272,7 @@ def _table(m: dict, regions: dict, n_symbols: int) -> tuple[list, int]:
     nbytes = _int(_get(table, "nbytes", "table"), "table.nbytes", lo=0)
     if nbytes != regions["table"]:
         _fail("table.nbytes", f"{nbytes} differs from regions.table ({regions['table']})")
-    slots = _list(_get(table, "slots", "table"), "table.slots")
+    slots = _list(_get(table, "slots", "table"), "table.slots", 2 * limits.MAX_IO)
     spans = []
     for i, s in enumerate(slots):
         p = f"table.slots[{i}]"
@@ -317,7 +337,7 @@ def _index_checks(m: dict, inputs: list, symbols: dict) -> None:
     runtime can name the input, the op and the source line of an out-of-range index."""
     if "index_checks" not in m:
         return
-    checks = _list(m["index_checks"], "index_checks")
+    checks = _list(m["index_checks"], "index_checks", limits.MAX_INDEX_CHECKS)
     if checks and "errors" not in m["table"]:
         _fail("index_checks", "the package has index checks but no table.errors word to report them")
     names = [e["name"] for e in inputs]
@@ -341,7 +361,7 @@ def _index_checks(m: dict, inputs: list, symbols: dict) -> None:
 
 def _io(m: dict, key: str, role: str, slots: list, io_slots: dict, check_dim) -> list:
     """Check `inputs` or `outputs`; `check_dim(d, path, index, dim)` checks one dim of a shape."""
-    entries = _list(_get(m, key, "manifest"), key)
+    entries = _list(_get(m, key, "manifest"), key, limits.MAX_IO)
     names = set()
     for i, e in enumerate(entries):
         p = f"{key}[{i}]"
@@ -351,7 +371,7 @@ def _io(m: dict, key: str, role: str, slots: list, io_slots: dict, check_dim) ->
             _fail(f"{p}.name", f"duplicate {role} name {name!r}")
         names.add(name)
         _dtype(_get(e, "dtype", p), f"{p}.dtype")
-        shape = _list(_get(e, "shape", p), f"{p}.shape")
+        shape = _list(_get(e, "shape", p), f"{p}.shape", MAX_RANK)
         for dim, d in enumerate(shape):
             check_dim(d, f"{p}.shape[{dim}]", i, dim)
         slot = _int(_get(e, "slot", p), f"{p}.slot")
@@ -377,8 +397,7 @@ def _slots_owned(slots: list, io_slots: dict) -> None:
 def _input_dim(d, path: str, index: int, dim: int, symbols: dict) -> None:
     """An input dim is a static size or an input symbol that names this dim among its sources."""
     if _is_int(d):
-        if d < 0:
-            _fail(path, f"{d} is below the minimum 0")
+        _int(d, path, lo=0)
         return
     if not isinstance(d, str):
         _fail(path, f"expected an int or an input symbol name, got {_type_name(d)}")
@@ -442,7 +461,7 @@ def _tensor_table(m: dict, key: str, noun: str, limit: int) -> list:
     """`weights` and `state` share one layout: uniquely named tensors at 256-aligned offsets, sized
     by dtype and shape, inside their region and not overlapping. One function checks both, so the
     two rules cannot drift apart."""
-    entries = _list(_get(m, key, "manifest"), key)
+    entries = _list(_get(m, key, "manifest"), key, limits.MAX_TENSORS)
     names, spans = set(), []
     for i, w in enumerate(entries):
         p = f"{key}[{i}]"
@@ -457,6 +476,7 @@ def _tensor_table(m: dict, key: str, noun: str, limit: int) -> list:
         if off % WEIGHT_ALIGN:
             _fail(f"{p}.offset", f"{off} is not {WEIGHT_ALIGN}-aligned")
         nbytes = _int(_get(w, "nbytes", p), f"{p}.nbytes", lo=0)
+        _span_check(f"{p}.shape", shape, DTYPES[dtype][0], f"{dtype}{list(shape)}")
         expected = numel(shape) * DTYPES[dtype][0]
         if nbytes != expected:
             _fail(f"{p}.nbytes", f"{nbytes} bytes, but {dtype}{list(shape)} needs {expected}")
@@ -471,7 +491,7 @@ def _arena_buffers(m: dict, regions: dict) -> None:
     if "arena_buffers" not in m:
         return
     limit = regions["arena"]
-    for i, b in enumerate(_list(m["arena_buffers"], "arena_buffers")):
+    for i, b in enumerate(_list(m["arena_buffers"], "arena_buffers", limits.MAX_TENSORS)):
         p = f"arena_buffers[{i}]"
         _dict(b, p)
         _str(_get(b, "name", p), f"{p}.name")
@@ -486,18 +506,21 @@ def _arena_buffers(m: dict, regions: dict) -> None:
 
 
 def _kernels(m: dict, archs: list, section_names) -> list:
-    kernels = _list(_get(m, "kernels", "manifest"), "kernels")
+    kernels = _list(_get(m, "kernels", "manifest"), "kernels", limits.MAX_KERNELS)
     names = set()
     for i, k in enumerate(kernels):
         p = f"kernels[{i}]"
         _dict(k, p)
         name = _str(_get(k, "name", p), f"{p}.name")
+        if not _KERNEL_NAME_RE.fullmatch(name):
+            _fail(f"{p}.name", f"{name[:80]!r} is not a C identifier of at most 255 characters (the "
+                               "name of the kernel's entry point in its binary)")
         if name in names:
             _fail(f"{p}.name", f"duplicate kernel name {name!r}")
         names.add(name)
         if "family" in k:
             _str(k["family"], f"{p}.family")
-        params = _list(_get(k, "params", p), f"{p}.params")
+        params = _list(_get(k, "params", p), f"{p}.params", limits.MAX_KERNEL_PARAMS)
         pnames = set()
         for j, prm in enumerate(params):
             pp = f"{p}.params[{j}]"
@@ -510,16 +533,20 @@ def _kernels(m: dict, archs: list, section_names) -> list:
             if not isinstance(ptype, str) or not _PARAM_TYPE_RE.fullmatch(ptype):
                 _fail(f"{pp}.type", f"expected a Triton type like '*fp32' or 'i64', got {ptype!r}")
         warps = _int(_get(k, "num_warps", p), f"{p}.num_warps")
-        if warps not in (1, 2, 4, 8, 16, 32):
+        if warps not in limits.NUM_WARPS:
             _fail(f"{p}.num_warps", f"{warps} is not a power of two in 1..32")
         if "num_stages" in k:
-            _int(k["num_stages"], f"{p}.num_stages", lo=1)
-        _int(_get(k, "shared", p), f"{p}.shared", lo=0)
-        for key in ("hidden_params", "global_scratch_size", "profile_scratch_size"):
+            _int(k["num_stages"], f"{p}.num_stages", lo=1, hi=limits.MAX_NUM_STAGES)
+        _int(_get(k, "shared", p), f"{p}.shared", lo=0, hi=limits.MAX_SHARED_NBYTES)
+        hidden = _int(k.get("hidden_params", 0), f"{p}.hidden_params", lo=0, hi=limits.MAX_HIDDEN_PARAMS)
+        if len(params) + hidden > limits.MAX_KERNEL_PARAMS:
+            _fail(f"{p}.params", f"{len(params)} parameters and {hidden} hidden ones, above the limit "
+                                 f"of {limits.MAX_KERNEL_PARAMS} (CUDA's kernel-parameter space)")
+        for key in ("global_scratch_size", "profile_scratch_size"):
             if key in k:
-                _int(k[key], f"{p}.{key}", lo=0)
+                _int(k[key], f"{p}.{key}", lo=0, hi=limits.MAX_REGION_NBYTES)
         if "writes" in k:   # 3.2: the pointer parameters the kernel stores through (race checks)
-            writes = _list(k["writes"], f"{p}.writes")
+            writes = _list(k["writes"], f"{p}.writes", len(params))
             for j, w in enumerate(writes):
                 _int(w, f"{p}.writes[{j}]", lo=0, hi=len(params) - 1)
                 if not params[w]["type"].startswith("*"):
@@ -544,7 +571,7 @@ def _kernels(m: dict, archs: list, section_names) -> list:
 def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict) -> list:
     """One graph per bucket: each names its bounds (`bucket`) and arena size, and its nodes may only
     touch that much arena, so the runtime can trust any graph it selects with the session arena."""
-    graphs = _list(_get(m, "graphs", "manifest"), "graphs")
+    graphs = _list(_get(m, "graphs", "manifest"), "graphs", limits.MAX_GRAPHS)
     if not graphs:
         _fail("graphs", "at least one graph is required")
     if not symbols and len(graphs) != 1:
@@ -568,11 +595,35 @@ def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict) ->
         arena = _int(_get(g, "arena", gp), f"{gp}.arena", lo=0)
         if arena > regions["arena"]:
             _fail(f"{gp}.arena", f"{arena} bytes exceed regions.arena ({regions['arena']} bytes)")
-        limits = {**regions, "arena": arena}
-        nodes = _list(_get(g, "nodes", gp), f"{gp}.nodes")
+        region_limits = {**regions, "arena": arena}
+        nodes = _list(_get(g, "nodes", gp), f"{gp}.nodes", limits.MAX_NODES)
         for n_i, node in enumerate(nodes):
-            _node(node, f"{gp}.nodes[{n_i}]", n_i, kernels, limits, words)
+            _node(node, f"{gp}.nodes[{n_i}]", n_i, kernels, region_limits, words)
     return graphs
+
+
+def _io_extents(inputs: list, outputs: list, checks, graphs: list, symbols: dict) -> None:
+    """What the runtime computes from the shapes stays bounded at every symbol value a graph can
+    serve (an input symbol above every bucket bound selects no graph; a data symbol stays within
+    its graph's bound): no shape expression leaves int64 (the table words) and every I/O tensor
+    spans at most MAX_TENSOR_NBYTES (its buffer, its strides). Bounded by expr_magnitude, one pass
+    per expression instead of one evaluation per graph."""
+    magnitudes = {name: max(g["bucket"][name] for g in graphs) for name in symbols}
+
+    def bound(expr, path: str) -> int:
+        top, peak = expr_magnitude(expr, magnitudes)
+        if peak > _I64_MAX:
+            _fail(path, f"{format_shape_expr(expr)!r} may compute values beyond int64 at the symbol "
+                        f"values the graphs serve (bounded by {peak})")
+        return top
+
+    for key, entries in (("inputs", inputs), ("outputs", outputs)):
+        for i, e in enumerate(entries):
+            p = f"{key}[{i}].shape"
+            dims = [bound(d, f"{p}[{dim}]") for dim, d in enumerate(e["shape"])]
+            _span_check(p, dims, DTYPES[e["dtype"]][0], f"{key[:-1]} {e['name']!r} at the largest bounds")
+    for i, c in enumerate(checks):
+        bound(c["size"], f"index_checks[{i}].size")
 
 
 def _generate(g, inputs: list, outputs: list, state: dict, n_graphs: int, kernels: list,
@@ -585,7 +636,7 @@ def _generate(g, inputs: list, outputs: list, state: dict, n_graphs: int, kernel
     _io_ref(g, "tokens", inputs, "input", ("int64",), 2)
     _io_ref(g, "positions", inputs, "input", ("int64",), 1)
     _io_ref(g, "logits", outputs, "output", FLOAT_DTYPES, None)
-    capacity = _int(_get(g, "capacity", p), f"{p}.capacity", lo=1)
+    capacity = _int(_get(g, "capacity", p), f"{p}.capacity", lo=1, hi=limits.MAX_TENSOR_NBYTES)
     decode = _int(_get(g, "decode_graph", p), f"{p}.decode_graph")
     if not 0 <= decode < n_graphs:
         _fail(f"{p}.decode_graph", f"graph {decode} does not exist (there are {n_graphs})")
@@ -664,7 +715,7 @@ def _node(node, p: str, index: int, kernels: list, regions: dict, words: int) ->
         _fail(f"{p}.grid", f"expected 3 dimensions, got {len(grid)}")
     for d, (g, hi) in enumerate(zip(grid, _GRID_MAX)):
         _int(g, f"{p}.grid[{d}]", lo=1, hi=hi)
-    deps = _list(_get(node, "deps", p), f"{p}.deps")
+    deps = _list(_get(node, "deps", p), f"{p}.deps", limits.MAX_NODES)
     for d_i, d in enumerate(deps):
         _int(d, f"{p}.deps[{d_i}]")
         if not 0 <= d < index:
@@ -672,7 +723,7 @@ def _node(node, p: str, index: int, kernels: list, regions: dict, words: int) ->
     if len(set(deps)) != len(deps):
         _fail(f"{p}.deps", "duplicate dependencies")
     if "programmatic" in node:   # 3.2: the deps whose edges may be programmatic (SPEC §5.3)
-        prog = _list(node["programmatic"], f"{p}.programmatic")
+        prog = _list(node["programmatic"], f"{p}.programmatic", len(deps))
         for d_i, d in enumerate(prog):
             _int(d, f"{p}.programmatic[{d_i}]")
             if d not in deps:

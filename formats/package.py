@@ -17,29 +17,68 @@ import tempfile
 
 import msgpack
 
+from . import limits
 from .container import COMPANION_PREFIX, FORMAT_VERSION, Container, parse_container, write_container
 from .errors import FormatError, ManifestError
 from .manifest import validate_manifest
 from .view import Manifest, build_view
 from .weights import TensorBlob, decode_weights
 
-_MAX_MANIFEST = 256 * 1024 * 1024
+
+class _TooManyItems(Exception):
+    """Raised from inside msgpack's hooks to stop a decode that passed MAX_MANIFEST_ITEMS."""
 
 
 def _unpack_manifest(blob) -> dict:
-    """Decode msgpack with limits tied to the blob size; never executes anything (no ext types)."""
-    if len(blob) > _MAX_MANIFEST:
-        raise FormatError(f"manifest is {len(blob)} bytes, above the {_MAX_MANIFEST}-byte limit")
+    """Decode msgpack with every count bounded (SPEC R12); never executes anything (no ext types).
+
+    A byte of msgpack can become a 64-byte Python object (an empty map), so the size cap alone
+    does not bound memory: the hooks count every map and array with their entries as msgpack
+    completes them and stop the decode past MAX_MANIFEST_ITEMS, before it has built more than
+    that. Nesting is capped after the decode (msgpack itself stops at 1024 levels)."""
     n = len(blob)
+    if n > limits.MAX_MANIFEST_NBYTES:
+        raise FormatError(f"manifest is {n} bytes, above the {limits.MAX_MANIFEST_NBYTES}-byte limit")
+    items = 0
+
+    def count(container):
+        nonlocal items
+        items += len(container) + 1
+        if items > limits.MAX_MANIFEST_ITEMS:
+            raise _TooManyItems
+        return container
+
+    most = min(n, limits.MAX_MANIFEST_ITEMS)
     try:
         manifest = msgpack.unpackb(
-            blob, raw=False, strict_map_key=True, use_list=True,
-            max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n, max_ext_len=0)
+            blob, raw=False, strict_map_key=True, use_list=True, object_hook=count, list_hook=count,
+            max_str_len=min(n, limits.MAX_MANIFEST_STR), max_bin_len=min(n, limits.MAX_MANIFEST_STR),
+            max_array_len=most, max_map_len=most, max_ext_len=0)
+    except _TooManyItems:
+        raise FormatError(f"manifest has more than {limits.MAX_MANIFEST_ITEMS} items (maps, arrays "
+                          "and their entries)") from None
     except Exception as e:  # msgpack raises a zoo of types for bad input; all mean "corrupt"
         raise FormatError(f"manifest is not valid msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(manifest, dict):
         raise FormatError(f"manifest must be a msgpack map, got {type(manifest).__name__}")
+    _check_depth(manifest)
     return manifest
+
+
+def _check_depth(manifest: dict) -> None:
+    """Refuse nesting deeper than MAX_MANIFEST_DEPTH, level by level (no recursion): every reader
+    of a manifest (inspect's JSON, msgpack.packb, json.dumps) may then recurse over any part of it.
+    About as fast as the decode itself (a type test per value)."""
+    level, depth = [manifest], 1
+    while level:
+        if depth > limits.MAX_MANIFEST_DEPTH:
+            raise FormatError(f"manifest nests maps and arrays deeper than {limits.MAX_MANIFEST_DEPTH} levels")
+        deeper = []
+        for obj in level:
+            for v in (obj.values() if type(obj) is dict else obj):
+                if type(v) is dict or type(v) is list:
+                    deeper.append(v)
+        level, depth = deeper, depth + 1
 
 
 def _tensor_sections(manifest: dict):

@@ -16,12 +16,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from .errors import ManifestError
+from .limits import I64_MAX
 
 __all__ = ["SHAPE_OPS", "MAX_EXPR_DEPTH", "check_shape_expr", "eval_shape_expr", "expr_symbols",
-           "format_shape_expr", "select_graph"]
+           "expr_magnitude", "format_shape_expr", "select_graph"]
 
 # Python semantics: `//` is floor division and `-` may go below 0 (a caller that needs a size
-# checks the result; intermediate values may be negative, as in `max(seq - 4, 0)`).
+# checks the result; intermediate values may be negative, as in `max(seq - 4, 0)`). Every value,
+# intermediate ones included, is an int64 on the device and in the table (SPEC §3.1).
 _OPS: dict[str, Callable[[int, int], int]] = {
     "+": lambda a, b: a + b,
     "-": lambda a, b: a - b,
@@ -33,6 +35,7 @@ _OPS: dict[str, Callable[[int, int], int]] = {
 SHAPE_OPS = tuple(_OPS)
 # Bounds the recursion of every walker here; real shapes nest 2-3 levels (`(a * b) // c + 1`).
 MAX_EXPR_DEPTH = 16
+_SATURATE = 1 << 64   # expr_magnitude's bounds stop growing here (anything above int64 is refused)
 _INFIX = ("+", "-", "*", "//")
 
 
@@ -45,7 +48,8 @@ def check_shape_expr(expr, path: str, symbols: Mapping | set | None = None, _dep
 
     `symbols`, when given, is the set (or map) of declared symbol names; a name outside it is an
     error. Nesting is capped at MAX_EXPR_DEPTH operators so that no walker can recurse unboundedly
-    on a hostile manifest.
+    on a hostile manifest, and a divisor without symbols must not be 0 (evaluating the expression
+    at load would divide by it).
     """
     if _is_int(expr):
         if expr < 0:
@@ -67,20 +71,60 @@ def check_shape_expr(expr, path: str, symbols: Mapping | set | None = None, _dep
         raise ManifestError(f"{path}: shape expression nests deeper than {MAX_EXPR_DEPTH} operators")
     check_shape_expr(expr[1], f"{path}[1]", symbols, _depth + 1)
     check_shape_expr(expr[2], f"{path}[2]", symbols, _depth + 1)
+    if op == "//" and not expr_symbols(expr[2]):   # a constant divisor: it must not be 0
+        try:
+            divisor = eval_shape_expr(expr[2], {})
+        except ManifestError as e:
+            raise ManifestError(f"{path}[2]: {e}") from None
+        if divisor == 0:
+            raise ManifestError(f"{path}: divides by {format_shape_expr(expr[2])}, which is 0")
 
 
 def eval_shape_expr(expr, values: Mapping[str, int]) -> int:
     """The value of `expr` with every symbol replaced by `values[name]`.
 
-    Raises KeyError for a symbol missing from `values` and ZeroDivisionError for `// 0`; the
-    result may be negative (the caller decides whether that is an error for a size).
+    Raises KeyError for a symbol missing from `values`, and ManifestError for a division by zero
+    or a value (intermediate ones included) outside int64: the expression cannot be evaluated at
+    these values. The result may be negative (the caller decides whether that is an error for a
+    size).
     """
     if _is_int(expr):
         return expr
     if isinstance(expr, str):
         return int(values[expr])
     op, a, b = expr
-    return _OPS[op](eval_shape_expr(a, values), eval_shape_expr(b, values))
+    x, y = eval_shape_expr(a, values), eval_shape_expr(b, values)
+    if op == "//" and y == 0:
+        raise ManifestError(f"shape expression {format_shape_expr(expr)!r} divides by zero at {dict(values)}")
+    value = _OPS[op](x, y)
+    if not -I64_MAX - 1 <= value <= I64_MAX:
+        raise ManifestError(f"shape expression {format_shape_expr(expr)!r} is {value} at {dict(values)}, "
+                            "outside int64")
+    return value
+
+
+def expr_magnitude(expr, magnitudes: Mapping[str, int]) -> tuple[int, int]:
+    """(bound on |value|, bound on |any value computed inside it|, itself included) of `expr`
+    when each symbol's |value| is at most `magnitudes[name]`: |a ± b| <= |a| + |b|,
+    |a * b| <= |a| |b|, |a // b| <= |a| (b != 0), |max/min(a, b)| <= max(|a|, |b|). One pass over a
+    checked expression, so the validator bounds what the runtime computes at any symbol values (the
+    allocations, the int64 table words) without trying them."""
+    if _is_int(expr):
+        return abs(expr), abs(expr)
+    if isinstance(expr, str):
+        return magnitudes[expr], magnitudes[expr]
+    op, a, b = expr
+    (x, px), (y, py) = expr_magnitude(a, magnitudes), expr_magnitude(b, magnitudes)
+    if op in ("+", "-"):
+        top = x + y
+    elif op == "*":
+        top = x * y
+    elif op == "//":
+        top = x
+    else:
+        top = max(x, y)
+    top = min(top, _SATURATE)   # past int64 the exact bound does not matter: keep the ints small
+    return top, max(top, px, py)
 
 
 def expr_symbols(expr) -> set[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import table
-from .manifest import Symbol, validate_manifest
+from .manifest import REGIONS, Symbol, validate_manifest
 
 
 class Slot(NamedTuple):
@@ -193,7 +193,7 @@ def build_view(m: dict) -> Manifest:
         producer=dict(m.get("producer", {})),
         model=dict(m.get("model", {})),
         options=dict(m.get("options", {})),
-        regions=dict(m["regions"]),
+        regions={r: m["regions"][r] for r in REGIONS},   # unknown keys are ignored (SPEC §3)
         symbols=tuple(Symbol(i, s["name"], s["kind"], s["min"], s["max"], tuple(map(tuple, s["sources"])))
                       for i, s in enumerate(m["symbols"])),
         inputs=tuple(_io(e) for e in m["inputs"]),

@@ -18,10 +18,11 @@ import functools
 import json
 import struct
 
+from . import limits
 from .dtypes import DTYPES, SAFETENSORS_TO_DTYPE, numel
 from .errors import FormatError
 
-_MAX_HEADER = 100 * 1024 * 1024  # same cap as the safetensors reader
+_MAX_HEADER = limits.MAX_SAFETENSORS_HEADER
 
 
 def _check_tensor(name, dtype, shape, data) -> tuple[tuple[int, ...], memoryview]:
@@ -30,8 +31,10 @@ def _check_tensor(name, dtype, shape, data) -> tuple[tuple[int, ...], memoryview
     if dtype not in DTYPES:
         raise FormatError(f"weight {name!r}: unknown dtype {dtype!r} (expected one of {sorted(DTYPES)})")
     shape = tuple(shape)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise FormatError(f"weight {name!r}: shape must be non-negative ints, got {shape!r}")
+    if len(shape) > limits.MAX_RANK or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise FormatError(f"weight {name!r}: shape must be at most {limits.MAX_RANK} non-negative "
+                          f"ints, got {shape!r}")
     try:
         view = memoryview(data)
     except TypeError:
@@ -72,8 +75,12 @@ class TensorBlob:
             header[name] = {"dtype": DTYPES[dtype][1], "shape": list(shape),
                             "data_offsets": [offset, offset + view.nbytes]}
             offset += view.nbytes
+        if len(header) > limits.MAX_TENSORS:
+            raise FormatError(f"{len(header)} tensors, above the limit of {limits.MAX_TENSORS}")
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
         text += b" " * (-len(text) % 8)
+        if len(text) > _MAX_HEADER:
+            raise FormatError(f"safetensors header of {len(text)} bytes, above the limit of {_MAX_HEADER}")
         self._header = struct.pack("<Q", len(text)) + text
         self._views = [view for *_, view in checked]
         self.tensors = {name: (dtype, shape) for name, dtype, shape, _ in checked}
@@ -119,10 +126,19 @@ def decode_weights(blob, *, section: str = "weights"
     if buf.nbytes < 8:
         raise FormatError(f"{section}: safetensors blob is {buf.nbytes} bytes, shorter than its 8-byte header length")
     (header_len,) = struct.unpack_from("<Q", buf, 0)
-    if header_len > _MAX_HEADER or 8 + header_len > buf.nbytes:
+    if 8 + header_len > buf.nbytes:
         raise FormatError(f"{section}: safetensors header length {header_len} exceeds the blob ({buf.nbytes} bytes)")
+    if header_len > _MAX_HEADER:
+        raise FormatError(f"{section}: safetensors header length {header_len} is above the limit of {_MAX_HEADER}")
+    text = bytes(buf[8:8 + header_len])
+    # A bound on the maps and lists json would build, counted at C speed before it builds any
+    # ("[]," is 3 bytes of JSON and a 56-byte list); brackets inside names only lower the bound.
+    containers = text.count(b"[") + text.count(b"{")
+    if containers > limits.MAX_SAFETENSORS_CONTAINERS:
+        raise FormatError(f"{section}: safetensors header has {containers} brackets, more than "
+                          f"{limits.MAX_SAFETENSORS_CONTAINERS} (3 per tensor for {limits.MAX_TENSORS} tensors)")
     try:
-        header = json.loads(bytes(buf[8:8 + header_len]).decode("utf-8"),
+        header = json.loads(text.decode("utf-8"),
                             object_pairs_hook=functools.partial(_no_duplicate_keys, section))
     except FormatError:
         raise
@@ -159,7 +175,7 @@ def _decode_entry(section: str, name: str, info, data: memoryview):
     code, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if code not in SAFETENSORS_TO_DTYPE:
         raise FormatError(f"{section}: tensor {name!r} has unsupported dtype {code!r}")
-    if not isinstance(shape, list) or not all(
+    if not isinstance(shape, list) or len(shape) > limits.MAX_RANK or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise FormatError(f"{section}: tensor {name!r} has a bad shape {shape!r}")
     if (not isinstance(offsets, list) or len(offsets) != 2

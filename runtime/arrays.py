@@ -23,7 +23,7 @@ import numpy as np
 
 from . import dlpack, driver, dtypes
 from .errors import InputError, StaleOutputError
-from .validate import ArrayRecord, contiguous_strides
+from .validate import ArrayRecord, as_dims, contiguous_strides
 
 
 def host_buffer(dtype: str, shape) -> np.ndarray:
@@ -175,6 +175,9 @@ def as_record(obj, what: str, dlpack_stream: int) -> ArrayRecord:
     if isinstance(obj, DeviceArray):
         return ArrayRecord(obj.ptr, obj.shape, None, obj._dtype, obj._device, owner=obj._owner)
     if isinstance(obj, np.ndarray):
+        if isinstance(obj, np.ma.MaskedArray):   # the mask would be silently dropped
+            raise InputError(f"{what}: numpy masked arrays are not supported (the kernels would read "
+                             "the masked values); pass arr.filled(value) or arr.data")
         return _from_numpy(obj, what)
     module = type(obj).__module__
     if module == "torch" or module.startswith("torch."):
@@ -196,9 +199,20 @@ def as_record(obj, what: str, dlpack_stream: int) -> ArrayRecord:
 def _from_numpy(arr: np.ndarray, what: str) -> ArrayRecord:
     dtype = dtypes.from_typestr(arr.dtype.str)
     if dtype is None:
-        raise InputError(f"{what}: numpy dtype {arr.dtype} is not supported (numpy has no bfloat16: "
-                         "pass bfloat16 data as a device array)")
+        raise InputError(f"{what}: {_numpy_dtype_problem(arr.dtype)}")
     return ArrayRecord(arr.ctypes.data, arr.shape, None, dtype, "cpu", host=arr)
+
+
+def _numpy_dtype_problem(dt: np.dtype) -> str:
+    """Why a numpy dtype cannot fill a slot, and what to pass instead."""
+    if dt.hasobject:
+        return f"numpy dtype {dt} (Python objects) is not supported; pass an array of numbers"
+    native = dtypes.from_typestr("<" + dt.str[1:])
+    if dt.str.startswith(">") and native is not None:
+        return (f"numpy dtype {dt.str} is big-endian; the GPU reads little-endian {native}: pass "
+                f"arr.astype('<{dt.str[1:]}')")
+    supported = ", ".join(n for n in dtypes.DTYPES if n != "bfloat16")
+    return f"numpy dtype {dt} is not supported (supported: {supported}; bfloat16 as a device array)"
 
 
 def _from_torch(t, what: str) -> ArrayRecord:
@@ -208,7 +222,11 @@ def _from_torch(t, what: str) -> ArrayRecord:
     return ArrayRecord(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtypes.from_torch(t.dtype), device)
 
 
-def _from_cai(cai: dict, what: str, has_dlpack: bool):
+def _from_cai(cai, what: str, has_dlpack: bool):
+    """A record from `__cuda_array_interface__`. Every field is checked for its type first: the
+    dict comes from any object, and only ints may reach the shape checks and the table."""
+    if not isinstance(cai, dict):
+        raise InputError(f"{what}: __cuda_array_interface__ is a {type(cai).__name__}, not a dict")
     dtype = dtypes.from_typestr(cai.get("typestr"))
     if dtype is None:
         if has_dlpack:
@@ -216,16 +234,26 @@ def _from_cai(cai: dict, what: str, has_dlpack: bool):
         raise InputError(f"{what}: __cuda_array_interface__ typestr {cai.get('typestr')!r} is not supported")
     if cai.get("mask") is not None:
         raise InputError(f"{what}: masked arrays are not supported")
-    ptr, readonly = cai["data"]
-    shape = tuple(cai["shape"])
+    data = cai.get("data")
+    if not isinstance(data, (tuple, list)) or len(data) != 2:
+        raise InputError(f"{what}: __cuda_array_interface__ data must be (pointer, read_only), got {data!r}")
+    (ptr,) = as_dims(what, data[:1], "__cuda_array_interface__ data pointer")
+    shape = as_dims(what, cai.get("shape"), "__cuda_array_interface__ shape")
     strides = cai.get("strides")
     if strides is not None:
+        strides = as_dims(what, strides, "__cuda_array_interface__ strides", lo=None)
+        if len(strides) != len(shape):
+            raise InputError(f"{what}: __cuda_array_interface__ strides {list(strides)} do not match "
+                             f"the shape {list(shape)}")
         size = dtypes.itemsize(dtype)
         if any(s % size for s in strides):
             raise InputError(f"{what}: byte strides {list(strides)} are not multiples of the item size {size}")
         strides = tuple(s // size for s in strides)
-    stream = cai.get("stream") if cai.get("version", 0) >= 3 else None
-    return ArrayRecord(ptr, shape, strides, dtype, None, readonly=bool(readonly), stream=stream)
+    version = cai.get("version", 0)
+    stream = cai.get("stream") if isinstance(version, int) and version >= 3 else None
+    if stream is not None:
+        (stream,) = as_dims(what, [stream], "__cuda_array_interface__ stream", lo=1)
+    return ArrayRecord(ptr, shape, strides, dtype, None, readonly=bool(data[1]), stream=stream)
 
 
 def _from_dlpack(obj, what: str, stream: int) -> ArrayRecord:

@@ -132,6 +132,7 @@ class LoadedPackage:
     # --- loading
     def _load_kernels(self, package) -> None:
         cu = driver.cuda()
+        self._check_shared_memory(cu)
         for kernel in self.view.kernels:
             section = kernel.binaries[self.arch]   # every kernel has a binary for every arch
             module = call(cu.cuModuleLoadData, bytes(package.section(section)))
@@ -144,6 +145,23 @@ class LoadedPackage:
                 call(cu.cuFuncSetAttribute, function,
                      cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.shared)
             self.functions.append(function)
+
+    def _check_shared_memory(self, cu) -> None:
+        """Every kernel's dynamic shared memory within what this GPU grants a block (the format caps
+        it at the H100/H200's 227 KiB; an A100 has 163 KiB): PackageMismatchError before any module
+        is loaded, instead of a failed cuFuncSetAttribute. Asked only when a kernel needs more than
+        the 48 KiB every GPU gives without opting in."""
+        need = max((k.shared for k in self.view.kernels), default=0)
+        if need <= _DEFAULT_SHARED_LIMIT:
+            return
+        limit = call(cu.cuDeviceGetAttribute,
+                     cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                     self.device.handle)
+        kernel = next(k for k in self.view.kernels if k.shared == need)
+        if need > limit:
+            raise PackageMismatchError(
+                f"kernel {kernel.name} needs {need} bytes of dynamic shared memory, but this GPU "
+                f"({self.device.arch}) allows {limit} per block; compile the model for {self.device.arch}")
 
     def _upload_weights(self, package) -> None:
         """Each weight to base + its offset. read_package has checked that every entry lies in the

@@ -34,7 +34,18 @@ from grace.formats.view import as_view
 from .errors import InputError, InvalidPackageError
 from .validate import contiguous_strides
 
-_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": operator.floordiv,
+def _floordiv(a: int, b: int) -> int:
+    """`//` of a shape expression: a divisor that is 0 at these symbol values is the package's
+    fault (the validator refuses a constant 0, not a symbol that may be 0), reported as such."""
+    if b == 0:
+        raise InvalidPackageError(f"a shape expression of this package divides {a} by zero at these "
+                                  "input sizes")
+    return a // b
+
+
+# The validator bounds every value at the sizes the graphs serve within int64 (formats.manifest
+# _io_extents), so +, - and * need no check here.
+_OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "//": _floordiv,
         "max": max, "min": min}
 
 
@@ -247,11 +258,12 @@ class ShapePlan:
         return max(_numel(_evaluate(self._outputs[o].dims, bounds)) for bounds in self._bounds)
 
     def input_capacity(self, i: int) -> int:
-        """Elements of input i at the largest sizes its symbols allow (numpy staging buffers)."""
+        """Elements of input i at the largest sizes a graph serves (numpy staging buffers): a
+        symbol value above every graph's bound selects no graph, whatever its `max` says."""
         inp = self._inputs[i]
         dims = list(inp.decl)
         for d, k in inp.reads:
-            dims[d] = self._hi[k]
+            dims[d] = min(self._hi[k], max(bounds[k] for bounds in self._bounds))
         return _numel(dims)
 
     def describe(self, values) -> str:

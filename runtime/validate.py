@@ -8,6 +8,8 @@ An array arrives as an ArrayRecord (see arrays.as_record): pointer, shape, strid
 
 from __future__ import annotations
 
+import operator
+
 from .errors import InputError
 
 ALIGNMENT = 16  # bytes; kernels may assume 16-byte aligned data (vectorised loads)
@@ -31,6 +33,27 @@ class ArrayRecord:
         self.keep = keep          # anything that must stay alive while the GPU may read (a capsule)
         self.stream = stream      # __cuda_array_interface__ v3 stream to wait on, if any
         self.owner = owner        # the Session, for DeviceArrays made by one
+
+
+def as_dims(what: str, values, kind: str, lo: int | None = 0) -> tuple:
+    """`values` (a shape or strides from a protocol such as `__cuda_array_interface__`) as a tuple
+    of Python ints, each >= `lo` when given; InputError for anything else (a str, a float, None, a
+    bool), so that only ints reach the shape checks and the table words."""
+    if not isinstance(values, (tuple, list)):
+        raise InputError(f"{what}: {kind} must be a tuple of ints, got {type(values).__name__}")
+    dims = []
+    for v in values:
+        if isinstance(v, bool):
+            raise InputError(f"{what}: {kind} {list(values)!r} holds a bool; expected ints")
+        try:
+            v = operator.index(v)   # ints, numpy integers; not floats or strs
+        except TypeError:
+            raise InputError(f"{what}: {kind} {list(values)!r} holds {type(v).__name__} {v!r}; "
+                             "expected ints") from None
+        if lo is not None and v < lo:
+            raise InputError(f"{what}: {kind} {list(values)!r} holds {v}, below {lo}")
+        dims.append(v)
+    return tuple(dims)
 
 
 def contiguous_strides(shape) -> tuple:

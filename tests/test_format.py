@@ -22,6 +22,7 @@ from grace.formats import (FORMAT_VERSION, BadMagicError, ChecksumError, FormatE
                            read_package, select_graph, validate_manifest, write_package)
 from grace.formats.container import ALIGN, HEADER_NBYTES
 from grace.formats.package import pack_package_bytes
+from grace.formats import limits
 from grace.formats.shapes import MAX_EXPR_DEPTH, check_shape_expr
 
 # ---------------------------------------------------------------------------------------------
@@ -953,10 +954,15 @@ def test_eval_shape_expr(expr, values, expected):
 
 
 def test_eval_shape_expr_errors():
+    """A missing symbol is the caller's bug (KeyError); a division by zero or a value outside
+    int64 at these values is the package's (ManifestError), never a ZeroDivisionError."""
     with pytest.raises(KeyError):
         eval_shape_expr(["+", "s", 1], {})
-    with pytest.raises(ZeroDivisionError):
+    with pytest.raises(ManifestError, match="divides by zero"):
         eval_shape_expr(["//", 4, "s"], {"s": 0})
+    with pytest.raises(ManifestError, match="outside int64"):
+        eval_shape_expr(["*", "s", ["*", "s", "s"]], {"s": 2**22})
+    assert eval_shape_expr(["*", "s", "s"], {"s": 2**31}) == 2**62
 
 
 def test_expr_symbols():
@@ -1003,6 +1009,173 @@ def test_select_graph_smallest_covering_bucket():
     assert select_graph(tie, ["a", "b"], {"a": 1, "b": 2}) == 1
     assert select_graph(tie, ["a", "b"], {"a": 2, "b": 2}) == 2
     assert select_graph([{"bucket": {}}], [], {}) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits (SPEC §2.1, grace.formats.limits): every count, size, depth and integer is capped
+
+
+def _each_kernel(key, value):
+    def fn(m):
+        for k in m["kernels"]:
+            k[key] = value
+    return fn
+
+
+def _nested_map(depth):
+    obj = {}
+    for _ in range(depth - 1):
+        obj = {"a": obj}
+    return obj
+
+
+LIMIT_MANIFESTS = [
+    # the issue's crashes: each is a ManifestError now, before anything is allocated
+    (_each_kernel("hidden_params", 2**26), rf"hidden_params: 67108864 is above the maximum {limits.MAX_HIDDEN_PARAMS}"),
+    (_each_kernel("shared", 2**31), rf"shared: 2147483648 is above the maximum {limits.MAX_SHARED_NBYTES}"),
+    (_each_kernel("shared", limits.MAX_SHARED_NBYTES + 1), r"shared: 232449 is above the maximum 232448"),
+    (_set(["regions", "arena"], 2**63), r"regions\.arena: \d+ is above the maximum 1099511627776"),
+    (_set(["regions", "weights"], 2**40 + 1), r"regions\.weights: 1099511627777 is above"),
+    (_set(["outputs", 0, "shape", 0], ["//", 2, 0]), r"outputs\[0\]\.shape\[0\]: divides by 0, which is 0"),
+    (_set(["outputs", 0, "shape", 0], ["//", 2, ["-", 3, 3]]), r"divides by 3 - 3, which is 0"),
+    (_set(["outputs", 0, "shape", 0], ["*", 2**40, 2**40]),
+     r"outputs\[0\]\.shape\[0\]: .* may compute values beyond int64"),
+    (_set(["outputs", 0, "shape", 0], 2**40), r"outputs\[0\]\.shape: output 'out0' at the largest bounds spans more than"),
+    (_set(["inputs", 0, "shape", 0], 2**62), r"inputs\[0\]\.shape: input 'x' at the largest bounds spans more than"),
+    (_set(["weights", 0, "shape"], [1] * 65), r"weights\[0\]\.shape: 65 entries, above the limit of 64"),
+    (_set(["weights", 0, "shape"], [0, 2**62]), r"weights\[0\]\.shape: float32\[0, \d+\] spans more than"),
+    (_set(["graphs", 0, "nodes", 1, "grid"], [2**31, 1, 1]), r"grid\[0\]: 2147483648 is above the maximum"),
+    (_set(["kernels", 1, "num_stages"], 65), r"num_stages: 65 is above the maximum 64"),
+    (_set(["kernels", 1, "global_scratch_size"], 2**41), r"global_scratch_size: \d+ is above the maximum"),
+    (_set(["kernels", 1, "name"], "k mm"), r"kernels\[1\]\.name: 'k mm' is not a C identifier"),
+    (_set(["kernels", 1, "name"], "k" * 256), r"is not a C identifier of at most 255 characters"),
+    (_set(["kernels", 0, "params"], [{"name": f"p{i}", "type": "*fp32"} for i in range(4094)]),
+     r"kernels\[0\]\.params: 4094 parameters and 2 hidden ones, above the limit of 4095"),
+    (_set(["kernels", 1, "params"], [{"name": f"p{i}", "type": "*fp32"} for i in range(4096)]),
+     r"kernels\[1\]\.params: 4096 entries, above the limit of 4095"),
+    (_set(["archs"], [f"sm_{i}" for i in range(17)]), r"archs: 17 entries, above the limit of 16"),
+    (_set(["arena_buffers"], [{"name": "b", "offset": 0, "nbytes": 0}] * (limits.MAX_TENSORS + 1)),
+     rf"arena_buffers: {limits.MAX_TENSORS + 1} entries, above the limit"),
+    (_set(["arena_buffers", 0, "last"], 2**63), r"arena_buffers\[0\]\.last: \d+ is above the maximum"),
+    (_set(["format_version"], [3, 2**16]), r"format_version: expected \[major, minor\] \(u16 each\)"),
+    (lambda m: m["graphs"][0]["nodes"].extend([m["graphs"][0]["nodes"][1]] * limits.MAX_NODES),
+     rf"graphs\[0\]\.nodes: {limits.MAX_NODES + 2} entries, above the limit of {limits.MAX_NODES}"),
+]
+
+
+@pytest.mark.parametrize("fn, match", LIMIT_MANIFESTS)
+def test_validate_manifest_enforces_the_limits(fn, match):
+    with pytest.raises(ManifestError, match=match):
+        validate_manifest(mutate(fn))
+
+
+@pytest.mark.parametrize("fn, match", [
+    (_sym(0, "max", 2**63 - 1), None),   # allowed: the graphs' bounds are what sizes are computed at
+    (_set(["graphs", 3, "bucket", "n"], 2**62), r"outputs\[1\]\.shape: output 'idx' at the largest bounds spans"),
+    (_set(["outputs", 1, "shape", 0], ["*", "n", ["*", "n", ["*", "n", ["*", "n", "n"]]]]),   # 2**75
+     r"outputs\[1\]\.shape\[0\]: .* may compute values beyond int64"),
+    (_set(["outputs", 1, "shape", 0], ["//", ["*", "n", ["*", "n", ["*", "n", ["*", "n", "n"]]]], 2**70]),
+     r"may compute values beyond int64"),   # an intermediate value overflows, the result would not
+    (_set(["outputs", 0, "shape", 1], ["*", "seq", ["*", "seq", ["*", "seq", ["*", "seq", "seq"]]]]),
+     r"outputs\[0\]\.shape: output 'out0' at the largest bounds spans more than"),   # 2**40 * 4 bytes
+    (_set(["symbols"], [{"name": f"s{i}", "kind": "data", "min": 0, "max": 1, "sources": []} for i in range(65)]),
+     r"symbols: 65 entries, above the limit of 64"),
+])
+def test_shape_limits_hold_at_the_bounds_the_graphs_serve(fn, match):
+    """I/O sizes are bounded at the largest bucket bound of each symbol (a larger value selects no
+    graph), not at the symbol's declared max."""
+    m = _dyn(fn)
+    if match is None:
+        validate_manifest(m)
+        return
+    with pytest.raises(ManifestError, match=match):
+        validate_manifest(m)
+
+
+def test_shape_magnitude_bounds_every_intermediate_value():
+    from grace.formats.shapes import expr_magnitude
+
+    assert expr_magnitude(["+", "s", 1], {"s": 10}) == (11, 11)
+    assert expr_magnitude(["-", 0, "s"], {"s": 10}) == (10, 10)
+    assert expr_magnitude(["//", ["*", "s", "s"], "s"], {"s": 10}) == (100, 100)
+    assert expr_magnitude(["*", ["*", "s", "s"], 0], {"s": 10}) == (0, 100)   # 0 at the top, 100 inside
+    assert expr_magnitude(["max", 3, ["min", "s", 7]], {"s": 10}) == (10, 10)
+    top, peak = expr_magnitude(["*", 2**63, 2**63], {})
+    assert top == peak == 2**64   # saturated: anything past int64 is refused anyway
+
+
+def _decode(blob):
+    return read_package(pack_package_bytes(blob, make_sections()))
+
+
+def test_manifest_nesting_is_capped():
+    """Deep informative maps (model, options, stats) are refused by the reader: inspect's JSON and
+    msgpack.packb recurse over them."""
+    ok = {**make_manifest(), "format_version": list(FORMAT_VERSION), "model": _nested_map(limits.MAX_MANIFEST_DEPTH - 1)}
+    assert read_package(packed(ok)).manifest["model"]
+    deep = {**ok, "model": _nested_map(limits.MAX_MANIFEST_DEPTH)}
+    with pytest.raises(FormatError, match=r"nests maps and arrays deeper than 32 levels"):
+        read_package(packed(deep))
+    with pytest.raises(FormatError, match="not valid msgpack"):   # msgpack's own stack: 1024
+        _decode(b"\x81\xa1a" * 2000 + b"\x80")
+
+
+def test_manifest_item_count_is_capped_while_decoding():
+    """A byte of msgpack can become a 64-byte dict: 2**21 empty maps (2 MB) would take the reader
+    to ~150 MB. The decode stops once it has built MAX_MANIFEST_ITEMS items."""
+    import time
+    import tracemalloc
+
+    n = limits.MAX_MANIFEST_ITEMS // 2 + 1   # n maps + their n entries + the list: over the cap
+    blob = msgpack.packb({"model": [{} for _ in range(n)]})
+    t0 = time.perf_counter()
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=rf"more than {limits.MAX_MANIFEST_ITEMS} items"):
+            _decode(blob)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 400 << 20, peak
+    assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.parametrize("blob, match", [
+    (msgpack.packb({"a": "x" * (limits.MAX_MANIFEST_STR + 1)}), "not valid msgpack"),
+    (msgpack.packb({"a": b"x" * (limits.MAX_MANIFEST_STR + 1)}, use_bin_type=True), "not valid msgpack"),
+])
+def test_manifest_strings_are_capped(blob, match):
+    with pytest.raises(FormatError, match=match):
+        _decode(blob)
+
+
+def test_manifest_size_is_capped():
+    blob = msgpack.packb({"a": ["x" * 1000] * (limits.MAX_MANIFEST_NBYTES // 1000 + 1)})
+    with pytest.raises(FormatError, match=r"manifest is \d+ bytes, above the 67108864-byte limit"):
+        _decode(blob)
+
+
+def test_safetensors_header_is_bounded_before_json_builds_it():
+    header = b'{"__metadata__":{"a":"' + b"[]," * limits.MAX_SAFETENSORS_CONTAINERS + b'"}}'
+    header += b" " * (-len(header) % 8)
+    blob = struct.pack("<Q", len(header)) + header
+    with pytest.raises(FormatError, match=r"safetensors header has \d+ brackets"):
+        decode_weights(blob)
+    big = struct.pack("<Q", limits.MAX_SAFETENSORS_HEADER + 8) + bytes(limits.MAX_SAFETENSORS_HEADER + 8)
+    with pytest.raises(FormatError, match="is above the limit"):
+        decode_weights(big)
+    deep_shape = encode_weights({"w": ("float32", (1,) * 64, b"\0" * 4)})
+    assert decode_weights(deep_shape)["w"][1] == (1,) * 64
+    with pytest.raises(FormatError, match="at most 64"):
+        encode_weights({"w": ("float32", (1,) * 65, b"\0" * 4)})
+
+
+def test_missing_hidden_params_means_zero():
+    """SPEC: absent optional ints are 0 (the issue's KeyError: 'hidden_params')."""
+    m = make_manifest()
+    for k in m["kernels"]:
+        k.pop("hidden_params", None)
+    assert all(k.hidden_params == 0 for k in as_view(m).kernels)
 
 
 # ---------------------------------------------------------------------------------------------

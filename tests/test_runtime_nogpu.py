@@ -389,9 +389,13 @@ class FakeDriver:
     def cuDevicePrimaryCtxRelease(self, dev): return (self.ok,)
     def cuCtxSetCurrent(self, ctx): return (self.ok,)
 
+    SHARED_OPTIN = 232448   # an H200's CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+
     def cuDeviceGetAttribute(self, attr, dev):
-        major = attr == self._real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-        return (self.ok, 9 if major else 0)
+        a = self._real.CUdevice_attribute
+        if attr == a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
+            return (self.ok, self.SHARED_OPTIN)
+        return (self.ok, 9 if attr == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR else 0)
 
     # modules
     def cuModuleLoadData(self, image):
@@ -715,3 +719,16 @@ def test_bfloat16_numpy_is_upcast(fake):
     ctypes.memmove(ptr, bits.ctypes.data, 4)
     host = DeviceArray(ptr, (2,), "bfloat16", 0).numpy()
     assert host.dtype == np.float32 and host.tolist() == [1.5, -3.0]
+
+
+def test_shared_memory_beyond_the_gpu_is_refused_at_load(fake, tmp_path):
+    """The format caps dynamic shared memory at the H200's 227 KiB; a GPU with less (an A100 has
+    163 KiB) refuses the package before loading any module, naming the kernel."""
+    m = manifest()
+    m["kernels"][1]["shared"] = 200 * 1024
+    path = write(tmp_path / "m.grace", m)
+    rt.load(path).close()   # fits the H200
+    fake.SHARED_OPTIN = 163 * 1024
+    with pytest.raises(PackageMismatchError, match=r"kernel k_scale_add needs 204800 bytes of dynamic shared "
+                                                   r"memory, but this GPU \(sm_90\) allows 166912 per block"):
+        rt.load(path)

@@ -218,11 +218,17 @@ def _bucket_summary(n_graphs: int, counts: Mapping[str, int], data: list[str]) -
 # ------------------------------------------------------------------------------------------------
 
 
-def _shape(s) -> str:
-    """`[batch, seq + 1, 4]`, escaped: rich would take `[batch, ...]` for a markup tag."""
+def _t(v) -> str:
+    """Text from a package for a rich table or message, escaped: a name such as `[/x]` would be
+    taken for markup (and a malformed tag raises in rich)."""
     from rich.markup import escape
 
-    return escape("[" + ", ".join(format_shape_expr(d) for d in (s or [])) + "]")
+    return escape(str(v))
+
+
+def _shape(s) -> str:
+    """`[batch, seq + 1, 4]`, escaped: rich would take `[batch, ...]` for a markup tag."""
+    return _t("[" + ", ".join(format_shape_expr(d) for d in (s or [])) + "]")
 
 
 def _num(v) -> str:
@@ -260,17 +266,17 @@ def render(d: Mapping, console=None) -> None:
     hdr = Table.grid(padding=(0, 2))
     hdr.add_column(style="bold cyan")
     hdr.add_column()
-    hdr.add_row("model", str((d.get("model") or {}).get("name", "?")))
+    hdr.add_row("model", _t((d.get("model") or {}).get("name", "?")))
     if d.get("path"):
-        hdr.add_row("file", str(d["path"]))
+        hdr.add_row("file", _t(d["path"]))
     hdr.add_row("format", _version_str(d.get("format_version")))
-    hdr.add_row("producer", "  ".join(f"{k} {v}" for k, v in prod.items()) or "?")
-    hdr.add_row("archs", ", ".join(d.get("archs", [])) or "-")
+    hdr.add_row("producer", _t("  ".join(f"{k} {v}" for k, v in prod.items()) or "?"))
+    hdr.add_row("archs", _t(", ".join(d.get("archs", [])) or "-"))
     if d.get("file_nbytes") is not None:
         hdr.add_row("size", f"{human_bytes(d['file_nbytes'])} ({d['file_nbytes']} bytes)")
     buckets = d.get("buckets") or {}
     if buckets.get("summary"):
-        hdr.add_row("graphs", buckets["summary"])
+        hdr.add_row("graphs", _t(buckets["summary"]))
     console.print(hdr)
     console.print()
 
@@ -278,7 +284,7 @@ def render(d: Mapping, console=None) -> None:
     t = table("inputs / outputs", "kind", "name", "dtype", "shape", ">slot")
     for kind in ("inputs", "outputs"):
         for e in d.get(kind, []):
-            t.add_row(kind[:-1], str(e["name"]), str(e["dtype"]), _shape(e["shape"]), str(e["slot"]))
+            t.add_row(kind[:-1], _t(e["name"]), _t(e["dtype"]), _shape(e["shape"]), _t(e["slot"]))
     console.print(t)
 
     _render_symbols(console, d, table)
@@ -291,20 +297,20 @@ def render(d: Mapping, console=None) -> None:
     )
     for s in tab.get("slots", []):
         first, n = s["first_word"], s["words"]
-        t.add_row(str(s["slot"]), str(s["name"]), str(s["role"]), str(s["offset"]), str(s["rank"]),
+        t.add_row(_t(s["slot"]), _t(s["name"]), _t(s["role"]), _t(s["offset"]), _t(s["rank"]),
                   f"{n} (w{first}..w{first + n - 1})")
     ext = tab.get("extents") or {}
     if ext.get("count"):
         first, n = ext["first_word"], ext["count"]
-        t.add_row("-", "extents", "symbols", str(ext["offset"]), "-", f"{n} (w{first}..w{first + n - 1})")
+        t.add_row("-", "extents", "symbols", _t(ext["offset"]), "-", f"{n} (w{first}..w{first + n - 1})")
     checks = d.get("index_checks") or {}
     if checks.get("error_word") is not None:
-        t.add_row("-", "errors", "index checks", str(checks["error_word"]), "-", "1 (not a table word)")
+        t.add_row("-", "errors", "index checks", _t(checks["error_word"]), "-", "1 (not a table word)")
     console.print(t)
     if checks.get("count"):
         inputs = sorted({str(c["input"]) for c in checks["checks"] if c.get("input") is not None})
         console.print(f"[bold]index checks[/]: {checks['count']} gather index(es) clamped and reported "
-                      f"on the device" + (f" (inputs {', '.join(inputs)})" if inputs else "") + "\n")
+                      f"on the device" + (f" (inputs {_t(', '.join(inputs))})" if inputs else "") + "\n")
 
     # memory plan
     mem = d.get("memory", {})
@@ -319,26 +325,26 @@ def render(d: Mapping, console=None) -> None:
         "state": f"{len(mem.get('state', []))} buffers per session (KV caches, generation)",
     }
     for name, nbytes in mem.get("regions", {}).items():
-        t.add_row(name, human_bytes(nbytes), str(nbytes), notes.get(name, ""))
+        t.add_row(_t(name), human_bytes(nbytes), _t(nbytes), notes.get(name, ""))
     console.print(t)
     if mem.get("state"):
         t = table("session state", "name", "dtype", "shape", ">offset", ">size", "initial value")
         for e in mem["state"]:
-            t.add_row(str(e["name"]), str(e["dtype"]), _shape(e["shape"]), str(e["offset"]),
+            t.add_row(_t(e["name"]), _t(e["dtype"]), _shape(e["shape"]), _t(e["offset"]),
                       human_bytes(e["nbytes"] or 0),
                       "zeros (not stored)" if e["init"] == "zeros" else "the `state` section")
         console.print(t)
     gen = d.get("generate")
     if gen:
-        console.print(f"[bold]generation[/]: tokens {gen['tokens']!r}, positions "
-                      f"{gen['positions']!r}, logits {gen['logits']!r}, cache of "
-                      f"{gen['capacity']} positions, decode graph {gen['decode_graph']!r}; greedy "
+        console.print(f"[bold]generation[/]: tokens {_t(repr(gen['tokens']))}, positions "
+                      f"{_t(repr(gen['positions']))}, logits {_t(repr(gen['logits']))}, cache of "
+                      f"{gen['capacity']} positions, decode graph {_t(repr(gen['decode_graph']))}; greedy "
                       "steps run in a CUDA graph WHILE loop\n")
     if ab.get("largest"):
         t = table(f"largest arena buffers (top {len(ab['largest'])} of {ab.get('count')})",
                   "name", ">offset", ">size", "live (nodes)")
         for b in ab["largest"]:
-            t.add_row(str(b["name"]), str(b["offset"]), human_bytes(b["nbytes"] or 0), f"{b['first']}..{b['last']}")
+            t.add_row(_t(b["name"]), _t(b["offset"]), human_bytes(b["nbytes"] or 0), f"{b['first']}..{b['last']}")
         console.print(t)
 
     # kernels
@@ -348,8 +354,8 @@ def render(d: Mapping, console=None) -> None:
         grids = k.get("grids", [])
         g = ", ".join("x".join(str(v) for v in gr) for gr in grids[:3]) + (f" (+{len(grids) - 3})" if len(grids) > 3 else "")
         sha = (k.get("source_sha256") or "")[:12]
-        t.add_row(str(k["index"]), str(k["name"]), str(k["family"]), g or "-", str(k["num_warps"]),
-                  str(k["num_stages"]), human_bytes(k["shared"] or 0), ",".join(k["archs"]), sha or "-", str(k["nodes"]))
+        t.add_row(_t(k["index"]), _t(k["name"]), _t(k["family"]), _t(g or "-"), _t(k["num_warps"]),
+                  _t(k["num_stages"]), human_bytes(k["shared"] or 0), _t(",".join(k["archs"])), _t(sha or "-"), _t(k["nodes"]))
     console.print(t)
 
     _render_graphs(console, d, table)
@@ -367,15 +373,15 @@ def _render_symbols(console, d: Mapping, table) -> None:
         sources = escape(", ".join(f"{src['name'] if src['name'] is not None else src['input']}[{src['dim']}]"
                                    for src in s.get("sources", []))) or "(computed on the device)"
         bounds = ", ".join(str(b) for b in s.get("buckets", []))
-        t.add_row(str(s["name"]), str(s["kind"]), f"{s['min']}..{s['max']}", sources, bounds or "-")
+        t.add_row(_t(s["name"]), _t(s["kind"]), f"{s['min']}..{s['max']}", sources, _t(bounds or "-"))
     console.print(t)
     buckets = d.get("buckets") or {}
     if buckets.get("policy"):
         policy = "; ".join(f"{name}: {', '.join(str(b) for b in bounds) if isinstance(bounds, list) else bounds}"
                            for name, bounds in buckets["policy"].items())
-        console.print(f"[bold]bucket policy[/bold] (options.buckets): {policy}", highlight=False)
+        console.print(f"[bold]bucket policy[/bold] (options.buckets): {_t(policy)}", highlight=False)
     if buckets.get("cost_model"):
-        console.print(f"[bold]bucket cost model[/bold] (options.bucket_cost): {buckets['cost_model']}",
+        console.print(f"[bold]bucket cost model[/bold] (options.bucket_cost): {_t(buckets['cost_model'])}",
                       highlight=False)
     if buckets.get("policy") or buckets.get("cost_model"):
         console.print()
@@ -390,8 +396,6 @@ def _render_graphs(console, d: Mapping, table) -> None:
     The numeric `stats` keys are shown whichever are present: the compiler adds estimates over
     time (`est_*`, `padding`, ...), and inspect should not need a release for each of them.
     """
-    from rich.markup import escape
-
     graphs = d.get("graphs", [])
     stat_keys: list[str] = []
     for g in graphs:
@@ -400,14 +404,14 @@ def _render_graphs(console, d: Mapping, table) -> None:
                 stat_keys.append(k)
     title = f"graphs, one per bucket ({len(graphs)})" if len(graphs) > 1 else "graphs (1)"
     t = table(title, "graph", "bucket", ">kernels", ">unique kernels", ">edges (programmatic)", ">arena",
-              *(">" + k for k in stat_keys))
+              *(">" + _t(k) for k in stat_keys))
     for g in graphs:
         stats = g.get("stats") or {}
         arena = g.get("arena")
         kinds = g.get("edges_by_kind") or {}
-        t.add_row(escape(str(g["name"])), _bucket_text(g.get("bucket") or {}),
-                  _num(g["kernels"]) if g.get("kernels") is not None else "-",
-                  str(stats.get("unique_kernels", g["unique_kernels"])),
+        t.add_row(_t(g["name"]), _t(_bucket_text(g.get("bucket") or {})),
+                  _t(_num(g["kernels"])) if g.get("kernels") is not None else "-",
+                  _t(stats.get("unique_kernels", g["unique_kernels"])),
                   f"{g['edges']} ({kinds.get('programmatic', 0)})",
                   human_bytes(arena) if _is_number(arena) else "-",
                   *(_num(stats[k]) if _is_number(stats.get(k)) else "-" for k in stat_keys))
@@ -435,18 +439,18 @@ def _render_graph_detail(console, g: Mapping, table) -> None:
     """A single graph (static package): its families and its whole `stats` map."""
     from rich.table import Table
 
-    console.print(f"[bold]graph {g['name']!r}[/bold]: {g['nodes']} nodes, {g['unique_kernels']} unique kernels, "
+    console.print(f"[bold]graph {_t(repr(g['name']))}[/bold]: {g['nodes']} nodes, {g['unique_kernels']} unique kernels, "
                   f"{_edge_text(g)}", highlight=False)
     t = table(None, "family", ">nodes")
     for fam, n in g.get("families", {}).items():
-        t.add_row(str(fam), str(n))
+        t.add_row(_t(fam), _t(n))
     console.print(t)
     if g.get("stats"):
         st = Table.grid(padding=(0, 2))
         st.add_column(style="cyan")
         st.add_column()
         for k, v in g["stats"].items():
-            st.add_row(f"  {k}", str(v))
+            st.add_row(_t(f"  {k}"), _t(v))
         console.print(st)
         console.print()
 
@@ -462,5 +466,5 @@ def _render_families(console, graphs: list, table) -> None:
     t = table("kernel families", "family", ">nodes per graph")
     for fam, counts in sorted(families.items(), key=lambda kv: (-max(kv[1]), str(kv[0]))):
         lo, hi = min(counts), max(counts)
-        t.add_row(str(fam), str(lo) if lo == hi else f"{lo}..{hi}")
+        t.add_row(_t(fam), _t(lo) if lo == hi else f"{lo}..{hi}")
     console.print(t)

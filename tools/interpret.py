@@ -333,6 +333,9 @@ def _check_inputs(m, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     for s in specs:
         name, dtype = s.name, s.dtype
         value = inputs[name]
+        if isinstance(value, np.ma.MaskedArray):   # np.asarray would drop the mask
+            raise InterpretError(f"input {name!r}: numpy masked arrays are not supported (the kernels "
+                                 "would read the masked values); pass arr.filled(value) or arr.data")
         if type(value).__module__.startswith("torch"):
             if str(value.dtype) == "torch.bfloat16":
                 raise InterpretError(f"input {name!r} is bfloat16: {_BF16_REASON}")
@@ -470,7 +473,7 @@ class InterpretSession:
     """The CPU twin of a runtime Session: the package's regions as byte tensors, with the session
     state (KV caches) kept across run() calls until reset_state()."""
 
-    def __init__(self, package_or_path, poison: bool = True):
+    def __init__(self, package_or_path, poison: bool = True, max_host_nbytes: int | None = None):
         import torch
         from grace.runtime.shapes import ShapePlan
 
@@ -478,7 +481,9 @@ class InterpretSession:
         self.manifest = self.package.manifest
         self.view = view = self.package.view   # read_package validated it
         _check_no_bf16(view)
-        self.plan = ShapePlan(view)
+        with _as_interpret_errors():
+            self.plan = ShapePlan(view)
+            _check_host_memory(view, self.plan, max_host_nbytes)
         self.poison = poison
         sizes = view.regions
         self.regions = {
@@ -598,6 +603,28 @@ class InterpretSession:
     def _step(self, gen) -> None:
         with _interpret_mode():
             _run_node(self.package, self.view.kernels, "generate", 0, gen.step, self.regions, [])
+
+
+DEFAULT_MAX_HOST_NBYTES = 16 << 30   # GRACE_INTERPRET_MAX_BYTES overrides
+
+
+def _check_host_memory(m, plan, limit: int | None) -> None:
+    """Refuse, before allocating, a package whose regions and outputs need more host memory than
+    `limit` bytes (default GRACE_INTERPRET_MAX_BYTES or 16 GiB): the formats cap each region at
+    1 TiB, which a GPU refuses with an error but a CPU process would try to page in."""
+    from grace.formats.dtypes import itemsize
+
+    if limit is None:
+        limit = int(os.environ.get("GRACE_INTERPRET_MAX_BYTES", DEFAULT_MAX_HOST_NBYTES))
+    r = m.regions
+    parts = {"weights": r["weights"], "table": r["table"], "state": r["state"],
+             "arena": max(g.arena for g in m.graphs),
+             "outputs": sum(plan.output_capacity(o) * itemsize(s.dtype) for o, s in enumerate(m.outputs))}
+    need = sum(parts.values())
+    if need > limit:
+        detail = ", ".join(f"{k} {v}" for k, v in parts.items())
+        raise InterpretError(f"the package needs {need} bytes of host memory ({detail}), above the "
+                             f"interpreter's limit of {limit} (GRACE_INTERPRET_MAX_BYTES)")
 
 
 def torch_from(array: np.ndarray):

@@ -1,0 +1,989 @@
+"""`python -m grace.tools.fuzz`: a mutation fuzzer over `.grace` packages that our compiler wrote.
+
+A package is input from anyone. Every tool that reads one without launching GPU code must finish
+on any file with one of grace's typed errors (SPEC.md §2.1, "Limits"), within bounded time and
+memory. This fuzzer checks that on mutants of real packages (docs/format-fuzzing.md):
+
+  classes   bytes      1-8 bytes XOR-ed anywhere in the file, or aimed at header, index, manifest
+            truncate   the file cut at a random length (the mutant file itself is shorter), or
+                       grown by trailing bytes
+            index      one field of the header or of a section-index entry edited, with the index
+                       hash recomputed so that the edit reaches the index parser
+            manifest   1-3 edits of the decoded manifest (a field set to an interesting value, a
+                       key dropped, a list entry dropped or duplicated, a type swapped, or a
+                       "bomb": deep nesting, millions of empty maps, hidden_params = 2**26, ...),
+                       re-encoded, the container rebuilt so every hash matches: the mutant passes
+                       the checksums and reaches the validator and every tool behind it
+  targets   read       grace.formats.read_package (the reader; everything below starts with it,
+                       so a mutant it refuses is refused by all of them)
+            verify     `grace verify` (tools/cli.py, in-process, --traceback)
+            inspect    `grace inspect --json` (every mutant) and its rich tables (every 16th)
+            runtime    grace.runtime.load(instantiate="eager") -> session(poison=True) -> one
+                       run() with inputs at their smallest sizes, against FakeDriver (below): no GPU,
+                       nothing launched
+            interpret  the CPU executor's planning (InterpretSession: regions, state, shapes),
+                       no kernel run; needs torch (--interpret)
+
+A finding is any exception that is not one of grace's typed errors (typed_errors()), a mutant that
+takes longer than --timeout seconds (the worker is killed and restarted), a MemoryError under the
+worker's address-space limit (--memory-mb above what the worker uses after warming up), or a
+device access outside an allocation (FakeDriver.violations). Mutants are reproducible: mutant i of
+a run is a function of (--seed, i) alone; `--save DIR` writes the mutants of the findings there.
+
+    python -m grace.tools.fuzz --count 20000 --seed 1 --workers 2
+    python -m grace.tools.fuzz --package model.grace --count 500 --json
+
+Without --package the corpus is compiled once (needs grace.aot and torch) into --corpus (default:
+~/.cache/grace/fuzz-corpus, or GRACE_FUZZ_CORPUS; delete it to recompile with a newer compiler): a
+static MLP, an MLP with batch buckets, and a one-layer CachedLlama with a KV cache, index checks and
+--generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import ctypes
+import io
+import json
+import os
+import random
+import resource
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+CLASSES = ("bytes", "truncate", "index", "manifest")
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MEMORY_MB = 1024
+RENDER_EVERY = 16    # `grace inspect`'s rich tables for every 16th mutant, --json for all
+FAKE_DEVICE_NBYTES = 256 << 20   # FakeDriver's device memory: more than any corpus package needs
+INTERPRET_HOST_NBYTES = 256 << 20   # the interpreter's host-memory budget in the fuzzer
+
+# Interesting integers: boundaries of the C types a value may end up in, and of grace's caps.
+INTERESTING_INTS = (0, 1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 255, 256, 1023, 1024, 4095, 4096,
+                    65535, 65536, 2**16 + 1, 2**20, 2**26, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
+                    2**40, 2**40 + 1, 2**53, 2**62, 2**63 - 1, 2**63, 2**64 - 1, -1, -2, -2**31,
+                    -2**63)
+
+
+# ------------------------------------------------------------------------------------ the corpus
+
+def build_corpus(directory) -> list[Path]:
+    """Compile the three corpus models into `directory` (skipping the ones already there) and
+    return their paths. Needs grace.aot (torch, triton); cubins come from the build cache."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    specs = _corpus_specs()
+    paths = []
+    for name, build in specs.items():
+        path = directory / f"{name}.grace"
+        if not path.exists():
+            build(path)
+        paths.append(path)
+    return paths
+
+
+def _corpus_specs() -> dict:
+    """name -> function(path) compiling it. Small on purpose: the fuzzer's cost per mutant is the
+    package's size (hashes) and its manifest (validation, planning)."""
+    def mlp(path):
+        import torch
+        from grace.aot import compile as grace_compile
+        from grace.tools.models import MLP
+        torch.manual_seed(0)
+        grace_compile(MLP(32, 64, 16).eval(), (torch.randn(4, 32),), output=path, fp32_matmul="ieee")
+
+    def mlp_buckets(path):
+        import torch
+        from torch.export import Dim
+        from grace.aot import compile as grace_compile
+        from grace.tools.models import MLP
+        torch.manual_seed(0)
+        grace_compile(MLP(32, 64, 16).eval(), (torch.randn(4, 32),), output=path, fp32_matmul="ieee",
+                      dynamic_shapes={"x": {0: Dim("batch", min=1, max=64)}}, buckets={"batch": [8, 64]})
+
+    def llama(path):
+        import torch
+        from torch.export import Dim
+        from grace.aot import compile as grace_compile
+        from grace.tools.models import CachedLlama
+        torch.manual_seed(0)
+        model = CachedLlama(vocab=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden=64,
+                            max_seq=16).eval()
+        seq = Dim("seq", min=1, max=16)
+        grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)), output=path,
+                      fp32_matmul="ieee", dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}},
+                      buckets={"seq": [16]}, generate={"tokens": "idx", "positions": "input_pos"})
+
+    return {"mlp": mlp, "mlp_buckets": mlp_buckets, "llama": llama}
+
+
+def default_corpus_dir() -> Path:
+    return Path(os.environ.get("GRACE_FUZZ_CORPUS", Path.home() / ".cache" / "grace" / "fuzz-corpus"))
+
+
+# ------------------------------------------------------------------------------------ mutations
+
+class Base:
+    """A valid package to mutate: its bytes, header fields, index entries and decoded manifest."""
+
+    def __init__(self, path):
+        import msgpack
+
+        from grace.formats import read_package
+
+        self.path = Path(path)
+        self.data = self.path.read_bytes()
+        pkg = read_package(self.data)
+        self.manifest = pkg.manifest
+        self.blob = msgpack.packb(pkg.manifest, use_bin_type=True)   # a fresh copy: unpackb(blob)
+        self.sections = [(name, bytes(pkg.section(name)), bytes.fromhex(sha))
+                         for name, _, _, sha in pkg.section_info]
+        (_, _, _, _, _, self.index_offset, self.index_nbytes, self.manifest_offset,
+         self.manifest_nbytes, self.section_count, _, _, _) = struct.unpack_from(_HEADER, self.data)
+        self.entries = []   # (byte position of the entry in the file, name length)
+        pos = self.index_offset
+        for _ in range(self.section_count):
+            name_len = struct.unpack_from("<H", self.data, pos + 48)[0]
+            self.entries.append((pos, name_len))
+            pos += 50 + name_len
+        self.strings = sorted({s for s in _walk_strings(self.manifest)})
+        pkg.close()
+
+
+_HEADER = "<8sHHIQQQQQII32s32s"
+# header fields the index class edits: (byte offset, struct format)
+_HEADER_FIELDS = {"major": (8, "<H"), "minor": (10, "<H"), "flags": (12, "<I"),
+                  "file_nbytes": (16, "<Q"), "index_offset": (24, "<Q"), "index_nbytes": (32, "<Q"),
+                  "manifest_offset": (40, "<Q"), "manifest_nbytes": (48, "<Q"),
+                  "section_count": (56, "<I"), "reserved": (60, "<I")}
+_ENTRY_FIELDS = {"offset": (0, "<Q"), "nbytes": (8, "<Q"), "name_len": (48, "<H")}
+
+
+def _walk_strings(obj):
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, list):
+            stack.extend(o)
+        elif isinstance(o, str) and len(o) < 80:
+            yield o
+
+
+def mutant(bases: list[Base], seed: int, i: int) -> tuple[str, str, str, bytes]:
+    """Mutant i of a run with this seed: (class, base name, description, bytes). Deterministic."""
+    rng = random.Random(f"grace-fuzz/{seed}/{i}")
+    cls = CLASSES[i % len(CLASSES)]
+    base = bases[(i // len(CLASSES)) % len(bases)]
+    mutate = {"bytes": _mutate_bytes, "truncate": _mutate_truncate, "index": _mutate_index,
+              "manifest": _mutate_manifest}[cls]
+    what, data = mutate(rng, base)
+    return cls, base.path.stem, what, data
+
+
+def _mutate_bytes(rng: random.Random, base: Base) -> tuple[str, bytes]:
+    data = bytearray(base.data)
+    meta_end = base.manifest_offset + base.manifest_nbytes
+    span = rng.choice([len(data), len(data), meta_end, 128 + 64])   # whole file, metadata, header
+    count = rng.choice([1, 1, 1, 2, 4, 8])
+    positions = rng.sample(range(min(span, len(data))), min(count, span, len(data)))
+    for pos in positions:
+        data[pos] ^= rng.randrange(1, 256)   # never a no-op
+    return f"xor {len(positions)} byte(s) at {sorted(positions)[:8]}", bytes(data)
+
+
+def _mutate_truncate(rng: random.Random, base: Base) -> tuple[str, bytes]:
+    n = len(base.data)
+    if rng.random() < 0.1:
+        extra = bytes(rng.randrange(256) for _ in range(rng.choice([1, 7, 4096])))
+        return f"{len(extra)} trailing byte(s)", base.data + extra
+    marks = [0, 8, 12, 127, 128, base.index_offset + base.index_nbytes, base.manifest_offset,
+             base.manifest_offset + base.manifest_nbytes]
+    marks += [struct.unpack_from("<Q", base.data, pos)[0] for pos, _ in base.entries]   # sections
+    choice = rng.random()
+    if choice < 0.4:
+        cut = max(0, min(n - 1, rng.choice(marks) + rng.randint(-2, 2)))
+    elif choice < 0.6:
+        cut = rng.randrange(min(n, 512))
+    else:
+        cut = rng.randrange(n)
+    return f"cut to {cut} of {n} bytes", base.data[:cut]
+
+
+def _mutate_index(rng: random.Random, base: Base) -> tuple[str, bytes]:
+    """One header or index field changed; the index hash recomputed over the (new) index range
+    when that range lies in the file, so the change reaches the parser behind the hash check."""
+    data = bytearray(base.data)
+    if rng.random() < 0.35:
+        field = rng.choice(list(_HEADER_FIELDS))
+        off, fmt = _HEADER_FIELDS[field]
+        where = f"header.{field}"
+    else:
+        k = rng.randrange(len(base.entries))
+        pos, name_len = base.entries[k]
+        kind = rng.random()
+        if kind < 0.15 and name_len:   # one byte of the name
+            b = pos + 50 + rng.randrange(name_len)
+            data[b] = rng.choice(b"./\x00\xff-_aZ")
+            return _rehash_index(data, f"index[{k}].name byte {b - pos - 50}")
+        if kind < 0.25:                # two entries swap their data (names stay)
+            j = rng.randrange(len(base.entries))
+            pj = base.entries[j][0]
+            a, b = bytes(data[pos:pos + 48]), bytes(data[pj:pj + 48])
+            data[pos:pos + 48], data[pj:pj + 48] = b, a
+            return _rehash_index(data, f"index[{k}] and index[{j}] swap offset/nbytes/sha256")
+        field = rng.choice(list(_ENTRY_FIELDS))
+        rel, fmt = _ENTRY_FIELDS[field]
+        off = pos + rel
+        where = f"index[{k}].{field}"
+    old = struct.unpack_from(fmt, data, off)[0]
+    limit = 1 << (8 * struct.calcsize(fmt))
+    value = rng.choice([old + 1, old - 1, old + 4096, old - 4096, 0, limit - 1, old * 2, old // 2,
+                        rng.randrange(limit), len(base.data), len(base.data) - 1]) % limit
+    if value == old:
+        value = (old + 1) % limit
+    struct.pack_into(fmt, data, off, value)
+    return _rehash_index(data, f"{where}: {old} -> {value}")
+
+
+def _rehash_index(data: bytearray, what: str) -> tuple[str, bytes]:
+    import hashlib
+
+    index_offset, index_nbytes = struct.unpack_from("<QQ", data, 24)
+    if index_offset + index_nbytes <= len(data):
+        data[64:96] = hashlib.sha256(bytes(data[index_offset:index_offset + index_nbytes])).digest()
+    return what, bytes(data)
+
+
+def _mutate_manifest(rng: random.Random, base: Base) -> tuple[str, bytes]:
+    """1-3 edits of the manifest, re-encoded and re-packed with every hash valid."""
+    import msgpack
+
+    for _ in range(20):   # an edit msgpack cannot encode (an int >= 2**64) is drawn again
+        m = msgpack.unpackb(base.blob, raw=False)
+        edits = []
+        for _ in range(rng.choice([1, 1, 1, 2, 3])):
+            if rng.random() < 0.03:   # a bomb is the last edit (editing its millions of maps is slow)
+                what, fn = rng.choice(_bombs(base))
+                fn(m, rng)
+                edits.append(what)
+                break
+            edits.append(_edit(rng, m, base))
+        try:
+            blob = msgpack.packb(m, use_bin_type=True)
+        except (OverflowError, ValueError, TypeError):
+            continue
+        return "; ".join(edits), pack(blob, base.sections)
+    return "no encodable edit", base.data
+
+
+def pack(manifest_blob: bytes, sections) -> bytes:
+    """A container around `manifest_blob` with the layout of grace.formats' writer (SPEC §1) and
+    every hash valid; `sections` are (name, bytes, sha256) with their digests precomputed, so a
+    manifest mutant costs one sha256 of the manifest (the writer would hash every section)."""
+    import hashlib
+
+    from grace.formats.container import ALIGN, FORMAT_VERSION, MAGIC
+
+    names = [name.encode() for name, _, _ in sections]
+    index_nbytes = sum(50 + len(n) for n in names)
+    pos = 128 + index_nbytes + len(manifest_blob)
+    offsets = []
+    for _, data, _ in sections:
+        pos = -(-pos // ALIGN) * ALIGN
+        offsets.append(pos)
+        pos += len(data)
+    index = b"".join(struct.pack("<QQ32sH", off, len(data), sha, len(n)) + n
+                     for off, (_, data, sha), n in zip(offsets, sections, names))
+    out = bytearray(pos)
+    out[128:128 + index_nbytes] = index
+    out[128 + index_nbytes:128 + index_nbytes + len(manifest_blob)] = manifest_blob
+    for off, (_, data, _) in zip(offsets, sections):
+        out[off:off + len(data)] = data
+    struct.pack_into(_HEADER, out, 0, MAGIC, *FORMAT_VERSION, 0, pos, 128, index_nbytes,
+                     128 + index_nbytes, len(manifest_blob), len(sections), 0,
+                     hashlib.sha256(index).digest(), hashlib.sha256(manifest_blob).digest())
+    return bytes(out)
+
+
+def _paths(m) -> list[tuple]:
+    """Every position in the manifest tree as (container, key) pairs."""
+    out, stack = [], [m]
+    while stack:
+        obj = stack.pop()
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            out.append((obj, k))
+            if isinstance(v, (dict, list)):
+                stack.append(v)
+    return out
+
+
+def _path_text(m, target) -> str:
+    """A readable path of a container inside m (for mutant descriptions), found by identity."""
+    stack = [(m, "")]
+    while stack:
+        obj, p = stack.pop()
+        if obj is target:
+            return p or "manifest"
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            if isinstance(v, (dict, list)) and len(p) < 120:
+                stack.append((v, f"{p}.{k}" if isinstance(k, str) else f"{p}[{k}]"))
+    return "..."
+
+
+def _nest(depth: int):
+    obj = {}
+    for _ in range(depth):
+        obj = {"a": obj}
+    return obj
+
+
+# Targeted edits: what the issue's 40,000 manifest mutants found, and the caps' boundaries.
+def _bombs(base: Base):
+    m = base.manifest
+    graph_nodes = [(g, n) for g in range(len(m["graphs"])) for n in range(len(m["graphs"][g]["nodes"]))]
+    return [
+        ("kernels[*].hidden_params = 2**26", lambda m, r: _each(m["kernels"], "hidden_params", 2**26, r)),
+        ("kernels[*].hidden_params deleted", lambda m, r: r.choice(m["kernels"]).pop("hidden_params", None)),
+        ("kernels[*].shared = 2**31", lambda m, r: _each(m["kernels"], "shared", 2**31, r)),
+        ("kernels[*].shared = 232449", lambda m, r: _each(m["kernels"], "shared", 232449, r)),
+        ("regions.arena = 2**63", lambda m, r: m["regions"].__setitem__("arena", 2**63)),
+        ("regions.weights = 2**41", lambda m, r: m["regions"].__setitem__("weights", 2**41)),
+        ("symbols[*].max = 2**63 - 1", lambda m, r: [s.__setitem__("max", 2**63 - 1) for s in m["symbols"]]),
+        ("graphs[*].bucket bounds = 2**40", lambda m, r: [g["bucket"].__setitem__(k, 2**40)
+                                                          for g in m["graphs"] for k in g["bucket"]]),
+        ("outputs[0].shape[0] = [// 1 0]", lambda m, r: _set_dim(m["outputs"], ["//", 1, 0], 0)),
+        ("outputs[0].shape[0] = [// 1 sym]", lambda m, r: _set_dim(
+            m["outputs"], ["//", 1, m["symbols"][0]["name"]] if m["symbols"] else 1, 0)),
+        ("outputs[0].shape[0] = x*x*x*x", lambda m, r: _set_dim(
+            m["outputs"], _power(m["symbols"][0]["name"] if m["symbols"] else 2**20, 4), 0)),
+        ("model.deep = 1000-deep maps", lambda m, r: m.setdefault("model", {}).__setitem__("deep", _nest(1000))),
+        ("options.deep = 100-deep maps", lambda m, r: m.setdefault("options", {}).__setitem__("deep", _nest(100))),
+        ("model.wide = 2**21 empty maps", lambda m, r: m.setdefault("model", {}).__setitem__(
+            "wide", [{} for _ in range(2**21)])),
+        ("model.long = 4 MiB string", lambda m, r: m.setdefault("model", {}).__setitem__("long", "x" * (4 << 20))),
+        ("weights[*].shape = 100000 dims", lambda m, r: m["weights"] and r.choice(m["weights"]).__setitem__(
+            "shape", [1] * 100000)),
+        ("graphs[*].nodes[*].grid = [2**31, 1, 1]", lambda m, r: _node(m, graph_nodes, r).__setitem__(
+            "grid", [2**31, 1, 1])),
+        ("kernels[*].num_warps = 64", lambda m, r: _each(m["kernels"], "num_warps", 64, r)),
+        ("graphs x 1100", lambda m, r: m["graphs"].extend(copy.deepcopy(m["graphs"][0]) for _ in range(1100))),
+    ]
+
+
+def _each(entries, key, value, rng):
+    rng.choice(entries)[key] = value
+
+
+def _set_dim(outputs, expr, dim):
+    if outputs and len(outputs[0]["shape"]) > dim:
+        outputs[0]["shape"][dim] = expr
+
+
+def _power(x, n):
+    expr = x
+    for _ in range(n - 1):
+        expr = ["*", expr, x]
+    return expr
+
+
+def _node(m, graph_nodes, rng):
+    g, n = rng.choice(graph_nodes)
+    return m["graphs"][g]["nodes"][n]
+
+
+def _edit(rng: random.Random, m: dict, base: Base) -> str:
+    """One edit of m in place; returns its description."""
+    container, key = rng.choice(_paths(m))
+    value = container[key]
+    where = f"{_path_text(m, container)}" + (f".{key}" if isinstance(key, str) else f"[{key}]")
+    choice = rng.random()
+    if choice < 0.08 and isinstance(container, dict):
+        del container[key]
+        return f"{where} deleted"
+    if isinstance(value, bool) or value is None:
+        new = rng.choice([0, 1, "x", None if value is not None else True, [], {}])
+    elif isinstance(value, int):
+        new = rng.choice([value + 1, value - 1, value * 2, value // 2, -value,
+                          rng.choice(INTERESTING_INTS), rng.choice(INTERESTING_INTS),
+                          value + rng.choice((4, 8, 16, 256, 4096))])
+    elif isinstance(value, str):
+        new = rng.choice(["", "x", value + "_", value[:-1], rng.choice(base.strings), 0, None,
+                          rng.choice(base.strings), [value], "[/x]", value + "\0", "é" * 300])
+    elif isinstance(value, list):
+        new = list(value)
+        op = rng.random()
+        if op < 0.3 and new:
+            del new[rng.randrange(len(new))]
+        elif op < 0.55 and new:
+            new.insert(rng.randrange(len(new) + 1), copy.deepcopy(rng.choice(new)))
+        elif op < 0.7 and len(new) > 1:
+            a, b = rng.sample(range(len(new)), 2)
+            new[a], new[b] = new[b], new[a]
+        elif op < 0.8:
+            new = []
+        else:
+            new = rng.choice([{}, 0, "x", None, [new]])
+    elif isinstance(value, dict):
+        op = rng.random()
+        if op < 0.4 and value:
+            new = dict(value)
+            del new[rng.choice(list(new))]
+        elif op < 0.7:
+            new = {**value, rng.choice(["x", "region", "word", "offset", "nbytes", "dtype", "init",
+                                        "programmatic", "writes", "errors"]):
+                   rng.choice([0, 1, -1, "arena", "int64", [], {}, 2**40])}
+        else:
+            new = rng.choice([[], 0, "x", None, [value]])
+    else:   # float, bytes
+        new = rng.choice([0, "x", None])
+    container[key] = new
+    return f"{where}: {_short(value)} -> {_short(new)}"
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ------------------------------------------------------------------------------------ targets
+
+def typed_errors() -> tuple:
+    """grace's typed errors: what a tool may raise for a bad package or bad input."""
+    from grace.formats import FormatError
+    from grace.runtime.errors import GraceRuntimeError
+    from grace.tools.cli import CliError
+    from grace.tools.source_check import SourceRefused
+
+    errors = [FormatError, GraceRuntimeError, CliError, SourceRefused]
+    interpret = sys.modules.get("grace.tools.interpret")
+    if interpret is not None:
+        errors.append(interpret.InterpretError)
+    return tuple(errors)
+
+
+class FakeDriver:
+    """cuda.bindings.driver with host memory for device memory, for the load path without a GPU.
+
+    It keeps the real bindings' structs and enums (so a field out of range of its C type raises
+    OverflowError as it would on a GPU), and answers like a device would where a runtime must not
+    rely on luck: `cuMemAlloc` refuses more than `device_nbytes` (CUDA_ERROR_OUT_OF_MEMORY) and
+    sizes beyond size_t (OverflowError, as the binding does), `cuModuleLoadData` an image that is
+    not an ELF (CUDA_ERROR_INVALID_IMAGE), `cuModuleGetFunction` a name the image does not contain
+    (CUDA_ERROR_NOT_FOUND), `cuFuncSetAttribute` more dynamic shared memory than an H200 has.
+    Copies and memsets outside an allocation are refused and recorded in `violations`: the
+    runtime computed a device address outside the memory it owns."""
+
+    SHARED_OPTIN_MAX = 232448   # H100/H200 cudaDevAttrMaxSharedMemoryPerBlockOptin
+
+    def __init__(self, device_nbytes: int = FAKE_DEVICE_NBYTES):
+        from cuda.bindings import driver as real
+
+        self._real = real
+        self.ok = real.CUresult.CUDA_SUCCESS
+        self._err = real.CUresult
+        self.device_nbytes = device_nbytes
+        self.used = 0
+        self.memory = {}      # address -> (buffer, nbytes)
+        self.modules = {}     # module handle -> image bytes
+        self.violations = []  # what the runtime asked outside its memory
+        self._handles = 0x100
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def _handle(self) -> int:
+        self._handles += 1
+        return self._handles
+
+    def cuGetErrorName(self, err): return (self.ok, str(err).encode())
+    def cuGetErrorString(self, err): return (self.ok, b"fake driver")
+
+    # device and context
+    def cuInit(self, flags): return (self.ok,)
+    def cuDeviceGetCount(self): return (self.ok, 1)
+    def cuDeviceGet(self, i): return (self.ok, self._real.CUdevice(i))
+    def cuDeviceGetName(self, n, dev): return (self.ok, b"Fake H200")
+    def cuDevicePrimaryCtxRetain(self, dev): return (self.ok, self._real.CUcontext(0xC0))
+    def cuDevicePrimaryCtxRelease(self, dev): return (self.ok,)
+    def cuCtxSetCurrent(self, ctx): return (self.ok,)
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        a = self._real.CUdevice_attribute
+        if attr == a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
+            return (self.ok, self.SHARED_OPTIN_MAX)
+        return (self.ok, 9 if attr == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR else 0)
+
+    # modules
+    def cuModuleLoadData(self, image):
+        image = bytes(image)
+        if not image.startswith(b"\x7fELF"):
+            return (self._err.CUDA_ERROR_INVALID_IMAGE, None)
+        module = self._real.CUmodule(self._handle())
+        self.modules[int(module)] = image
+        return (self.ok, module)
+
+    def cuModuleGetFunction(self, module, name):
+        if bytes(name) not in self.modules.get(int(module), b""):
+            return (self._err.CUDA_ERROR_NOT_FOUND, None)
+        return (self.ok, self._real.CUfunction(self._handle()))
+
+    def cuFuncSetAttribute(self, function, attr, value):
+        if not -2**31 <= value < 2**31:
+            raise OverflowError(f"value {value} does not fit a C int")   # as the binding does
+        if value > self.SHARED_OPTIN_MAX:
+            return (self._err.CUDA_ERROR_INVALID_VALUE,)
+        return (self.ok,)
+
+    def cuModuleUnload(self, module):
+        self.modules.pop(int(module), None)
+        return (self.ok,)
+
+    # memory
+    def cuMemAlloc(self, n):
+        if not 0 <= n < 2**64:
+            raise OverflowError(f"{n} does not fit a size_t")   # as the binding does
+        if self.used + n > self.device_nbytes:
+            return (self._err.CUDA_ERROR_OUT_OF_MEMORY, None)
+        buf = ctypes.create_string_buffer(n + 256)
+        addr = (ctypes.addressof(buf) + 255) // 256 * 256
+        self.memory[addr] = (buf, n)
+        self.used += n
+        return (self.ok, self._real.CUdeviceptr(addr))
+
+    def cuMemFree(self, p):
+        _, n = self.memory.pop(int(p))
+        self.used -= n
+        return (self.ok,)
+
+    def _inside(self, ptr: int, n: int, what: str) -> bool:
+        ptr = int(ptr)
+        for addr, (_, size) in self.memory.items():
+            if addr <= ptr and ptr + n <= addr + size:
+                return True
+        self.violations.append(f"{what} of {n} bytes at {ptr:#x}: outside every allocation")
+        return False
+
+    def cuMemHostRegister(self, p, n, flags): return (self.ok,)
+    def cuMemHostUnregister(self, p): return (self.ok,)
+
+    def cuMemcpyHtoD(self, dst, src, n):
+        if not self._inside(dst, n, "cuMemcpyHtoD"):
+            return (self._err.CUDA_ERROR_INVALID_VALUE,)
+        ctypes.memmove(int(dst), src, n)
+        return (self.ok,)
+
+    def cuMemcpyHtoDAsync(self, dst, src, n, stream): return self.cuMemcpyHtoD(dst, src, n)
+
+    def cuMemcpyDtoH(self, dst, src, n):
+        if not self._inside(src, n, "cuMemcpyDtoH"):
+            return (self._err.CUDA_ERROR_INVALID_VALUE,)
+        ctypes.memmove(dst, int(src), n)
+        return (self.ok,)
+
+    def cuMemcpyDtoHAsync(self, dst, src, n, stream): return self.cuMemcpyDtoH(dst, src, n)
+
+    def cuMemsetD8Async(self, p, value, n, stream):
+        if not self._inside(p, n, "cuMemsetD8Async"):
+            return (self._err.CUDA_ERROR_INVALID_VALUE,)
+        ctypes.memset(int(p), value, n)
+        return (self.ok,)
+
+    def cuPointerGetAttribute(self, attr, ptr):
+        for addr, (_, n) in self.memory.items():
+            if addr <= ptr < addr + n:
+                return (self.ok, 0)
+        return (self._err.CUDA_ERROR_INVALID_VALUE, None)
+
+    # streams and events
+    def cuStreamCreate(self, flags): return (self.ok, self._real.CUstream(0x5000))
+    def cuStreamDestroy(self, s): return (self.ok,)
+    def cuStreamSynchronize(self, s): return (self.ok,)
+    def cuStreamWaitEvent(self, s, e, flags): return (self.ok,)
+    def cuEventCreate(self, flags): return (self.ok, self._real.CUevent(0x6000))
+    def cuEventRecord(self, e, s): return (self.ok,)
+    def cuEventDestroy(self, e): return (self.ok,)
+
+    # graphs
+    def cuGraphCreate(self, flags): return (self.ok, self._real.CUgraph(self._handle()))
+
+    def cuGraphAddKernelNode(self, g, deps, n, p):
+        if n != len(deps) or p.blockDimX > 1024:
+            return (self._err.CUDA_ERROR_INVALID_VALUE, None)
+        return (self.ok, self._real.CUgraphNode(self._handle()))
+
+    def cuGraphAddDependencies(self, g, from_, to, edges, n): return (self.ok,)
+    def cuGraphInstantiate(self, g, flags): return (self.ok, self._real.CUgraphExec(self._handle()))
+    def cuGraphUpload(self, e, s): return (self.ok,)
+    def cuGraphExecKernelNodeSetParams(self, e, node, p): return (self.ok,)
+    def cuGraphLaunch(self, e, s): return (self.ok,)
+    def cuGraphExecDestroy(self, e): return (self.ok,)
+    def cuGraphDestroy(self, g): return (self.ok,)
+
+
+def _cli(argv: list[str]) -> str:
+    """Run `grace ARGV --traceback` in this process; return its stdout. Exceptions propagate."""
+    from grace.tools import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["--traceback", *argv])
+    if rc != 0:
+        raise cli.CliError(f"exit status {rc}: {err.getvalue().strip()[-200:]}")
+    return out.getvalue()
+
+
+def _smallest_inputs(view) -> list:
+    """Per input, its shape at every symbol's minimum (static dims as they are)."""
+    lo = {s.name: s.min for s in view.symbols}
+    return [tuple(lo[d] if isinstance(d, str) else d for d in spec.shape) for spec in view.inputs]
+
+
+def _stage_runtime(path: str, fake: FakeDriver) -> None:
+    """load (eager) -> session (poison) -> run() at the smallest input sizes, on FakeDriver."""
+    import grace.runtime as rt
+    from grace.runtime import driver
+    from grace.runtime.arrays import DeviceArray
+
+    driver._cu = fake
+    pkg = rt.load(path, instantiate="eager")
+    try:
+        session = pkg.session(poison=True)
+        scratch = driver.mem_alloc(256)   # inputs are device arrays: nothing reads them here
+        inputs = [DeviceArray(scratch, shape, spec.dtype, 0)
+                  for spec, shape in zip(pkg.inputs, _smallest_inputs(pkg.view))]
+        session.run(*inputs)
+        session.close()
+        driver.mem_free(scratch)
+    finally:
+        pkg.close()
+
+
+def _stage_interpret(path: str) -> None:
+    """The CPU executor up to its first kernel: regions, weights, state, the call's shapes."""
+    import numpy as np
+
+    from grace.tools import interpret
+
+    sess = interpret.InterpretSession(path, max_host_nbytes=INTERPRET_HOST_NBYTES)
+    view = sess.view
+    arrays = {}
+    for spec, shape in zip(view.inputs, _smallest_inputs(view)):
+        dtype = interpret._DTYPES[spec.dtype][0]
+        # zero strides: any shape without its memory (only the shape is read while planning)
+        arrays[spec.name] = np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape))
+    values, g = interpret._resolve(sess.plan, view, arrays, None)
+    with interpret._as_interpret_errors():
+        sess.plan.output_shapes(values, g)
+
+
+def run_mutant(path: str, stages: tuple, render: bool = True,
+               fake_nbytes: int = FAKE_DEVICE_NBYTES) -> dict:
+    """Every target on the file at `path`; {"outcome": "rejected" | "accepted" | "finding", ...}.
+    `stages`: the targets after `read` to run; `render`: inspect also renders its tables (rich
+    takes ~100 ms for a small package, 8x the rest of inspect)."""
+    from grace.formats import read_package
+
+    typed = typed_errors()
+    result = {"outcome": "accepted", "stages": {}}
+    if "_hang" in stages:   # never ends: tests/test_fuzz.py checks the hang detection with it
+        time.sleep(3600)
+        stages = tuple(s for s in stages if s != "_hang")
+    for stage in ("read", *stages):
+        t0 = time.perf_counter()
+        fake = None
+        try:
+            if stage == "read":
+                read_package(path).close()
+            elif stage == "verify":
+                _cli(["verify", path])
+            elif stage == "inspect":
+                json.loads(_cli(["inspect", "--json", path]))
+                if render:
+                    _cli(["inspect", path])
+            elif stage == "runtime":
+                fake = FakeDriver(fake_nbytes)
+                _stage_runtime(path, fake)
+            elif stage == "interpret":
+                _stage_interpret(path)
+            status = "ok"
+        except typed as e:
+            status = f"{type(e).__name__}"
+            if result["outcome"] == "accepted":
+                result.update(outcome="rejected", first=stage, error=f"{type(e).__name__}: {_one_line(e)}")
+        except BaseException as e:   # noqa: BLE001 - anything else is what we are looking for
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            result.update(outcome="finding", kind="memory" if isinstance(e, MemoryError) else "crash",
+                          stage=stage, error=f"{type(e).__name__}: {_one_line(e)}",
+                          where=_where(e))
+            return result
+        finally:
+            result["stages"][stage] = round(time.perf_counter() - t0, 4)
+        if fake is not None and fake.violations:
+            result.update(outcome="finding", kind="device memory", stage=stage,
+                          error=fake.violations[0], where="")
+            return result
+        if stage == "read" and status != "ok":
+            return result   # every later target starts with the same read_package
+    return result
+
+
+def _one_line(e) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame inside grace of a traceback ("formats/manifest.py:123 in _node")."""
+    frames = traceback.extract_tb(e.__traceback__)
+    inside = [f for f in frames if "/grace/" in f.filename or "/work/" in f.filename] or frames
+    f = inside[-1] if inside else None
+    return f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} in {f.name}" if f else "?"
+
+
+# ------------------------------------------------------------------------------------ workers
+
+def _worker(conn, paths: list[str], seed: int, stages: tuple, memory_mb: int, workdir: str) -> None:
+    """One worker process: builds the mutants it is sent (by index) and runs every target on them.
+    Its address space is limited to what it uses after a warm-up plus `memory_mb`."""
+    bases = [Base(p) for p in paths]
+    target = os.path.join(workdir, f"mutant-{os.getpid()}.grace")
+    for p in paths:                       # warm-up: imports, thread pools, allocator arenas
+        run_mutant(p, tuple(s for s in stages if s != "_hang"))
+    if memory_mb:
+        used = _address_space()
+        limit = used + (memory_mb << 20)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    conn.send("ready")
+    while True:
+        i = conn.recv()
+        if i is None:
+            break
+        cls, base, what, data = mutant(bases, seed, i)
+        with open(target, "wb") as f:     # "wb" truncates: the mutant file is exactly `data`
+            f.write(data)
+        assert os.path.getsize(target) == len(data)
+        t0 = time.perf_counter()
+        try:
+            result = run_mutant(target, stages, render=i % RENDER_EVERY == 0)
+        except MemoryError as e:          # outside a stage (building the message, ...)
+            result = {"outcome": "finding", "kind": "memory", "stage": "?", "error": repr(e), "where": ""}
+        result.update(i=i, cls=cls, base=base, what=what, seconds=round(time.perf_counter() - t0, 4),
+                      rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+        conn.send(result)
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Pool:
+    """Worker processes with one mutant in flight each; a mutant past the timeout kills its worker
+    (a hang finding) and a fresh worker takes its place."""
+
+    def __init__(self, n: int, args: tuple):
+        import multiprocessing as mp
+
+        self._ctx = mp.get_context("spawn")
+        self._args = args
+        self.workers = [self._start() for _ in range(n)]
+
+    def _start(self):
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker, args=(child, *self._args), daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(600) or parent.recv() != "ready":
+            raise RuntimeError("a fuzz worker did not start")
+        return {"proc": proc, "conn": parent, "job": None, "since": 0.0}
+
+    def run(self, indices, timeout: float, on_result) -> None:
+        from multiprocessing.connection import wait
+
+        pending = list(reversed(list(indices)))
+        while pending or any(w["job"] is not None for w in self.workers):
+            for w in self.workers:
+                if w["job"] is None and pending:
+                    w["job"], w["since"] = pending.pop(), time.monotonic()
+                    w["conn"].send(w["job"])
+            busy = [w for w in self.workers if w["job"] is not None]
+            ready = wait([w["conn"] for w in busy], timeout=0.2)
+            for w in busy:
+                if w["conn"] in ready:
+                    try:
+                        result = w["conn"].recv()
+                    except EOFError:     # the worker died (a segfault, an abort)
+                        on_result(self._dead(w, "the worker process died"))
+                        continue
+                    w["job"] = None
+                    on_result(result)
+                elif time.monotonic() - w["since"] > timeout:
+                    on_result(self._dead(w, f"no result after {timeout:.0f} s"))
+
+    def _dead(self, w, why: str) -> dict:
+        i = w["job"]
+        w["proc"].kill()
+        w["proc"].join()
+        code = w["proc"].exitcode
+        w.update(self._start())
+        kind = "hang" if why.startswith("no result") else "crash"
+        return {"i": i, "outcome": "finding", "kind": kind, "stage": "?", "error": f"{why} (exit code {code})",
+                "where": ""}
+
+    def close(self) -> None:
+        for w in self.workers:
+            with contextlib.suppress(Exception):
+                w["conn"].send(None)
+            w["proc"].join(5)
+            if w["proc"].is_alive():
+                w["proc"].kill()
+
+
+# ------------------------------------------------------------------------------------ a run
+
+def fuzz(paths, count: int, seed: int = 0, *, workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S,
+         memory_mb: int = DEFAULT_MEMORY_MB, stages=("verify", "inspect", "runtime"),
+         progress=None) -> dict:
+    """Run mutants 0..count-1 of `paths` with this seed; return the summary (see `summarize`)."""
+    paths = [str(p) for p in paths]
+    stages = tuple(stages)
+    results = []
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="grace-fuzz-") as workdir:
+        pool = _Pool(workers, (paths, seed, stages, memory_mb, workdir))
+        started = time.monotonic()
+        try:
+            def collect(r):
+                results.append(r)
+                if progress is not None:
+                    progress(len(results), count, r)
+            pool.run(range(count), timeout, collect)
+        finally:
+            pool.close()
+    summary = summarize(results, paths, seed, stages)
+    summary["seconds"] = {"total": round(time.monotonic() - t0, 2), "fuzzing": round(time.monotonic() - started, 2)}
+    return summary
+
+
+def summarize(results: list[dict], paths, seed: int, stages) -> dict:
+    """Counts per class (rejected by the first stage that refused, accepted, findings) and the
+    findings themselves, each with what mutant it was."""
+    bases = [Base(p) for p in paths]
+    per_class = {c: {"mutants": 0, "rejected": {}, "accepted": 0, "findings": 0} for c in CLASSES}
+    stage_seconds = {s: 0.0 for s in ("read", *stages)}
+    findings = []
+    for r in sorted(results, key=lambda r: r["i"]):
+        for stage, seconds in r.get("stages", {}).items():
+            stage_seconds[stage] += seconds
+        if "cls" not in r:   # a hang or a dead worker: rebuild the mutant's description
+            r["cls"], r["base"], r["what"], _ = mutant(bases, seed, r["i"])
+        c = per_class[r["cls"]]
+        c["mutants"] += 1
+        if r["outcome"] == "rejected":
+            c["rejected"][r["first"]] = c["rejected"].get(r["first"], 0) + 1
+        elif r["outcome"] == "accepted":
+            c["accepted"] += 1
+        else:
+            c["findings"] += 1
+            findings.append({k: r.get(k) for k in ("i", "cls", "base", "what", "kind", "stage", "error", "where")})
+    timed = [r for r in results if "seconds" in r]
+    slowest = sorted(timed, key=lambda r: -r["seconds"])[:3]
+    return {"seed": seed, "packages": [Path(p).name for p in paths], "stages": ["read", *stages],
+            "mutants": len(results), "classes": per_class,
+            "stage_seconds": {k: round(v, 2) for k, v in stage_seconds.items()},
+            "slowest": [{"i": r["i"], "seconds": r["seconds"], "what": r["what"]} for r in slowest],
+            "worker_peak_rss_mb": max((r.get("rss_mb", 0) for r in timed), default=0),
+            "findings": findings}
+
+
+def save_findings(summary: dict, paths, directory) -> None:
+    """Write the mutant of every finding to DIRECTORY/<i>-<class>.grace, plus findings.json."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    bases = [Base(p) for p in paths]
+    for f in summary["findings"]:
+        *_, data = mutant(bases, summary["seed"], f["i"])
+        (directory / f"{f['i']}-{f['cls']}.grace").write_bytes(data)
+    (directory / "findings.json").write_text(json.dumps(summary["findings"], indent=2))
+
+
+def format_summary(s: dict) -> str:
+    lines = [f"{s['mutants']} mutants of {', '.join(s['packages'])} (seed {s['seed']}), "
+             f"targets {' -> '.join(s['stages'])}"]
+    for cls, c in s["classes"].items():
+        rejected = ", ".join(f"{k} {v}" for k, v in sorted(c["rejected"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"  {cls:9s} {c['mutants']:7d} mutants: rejected {sum(c['rejected'].values())} "
+                     f"({rejected or '-'}), accepted {c['accepted']}, findings {c['findings']}")
+    seconds = s.get("seconds", {})
+    if seconds:
+        per_stage = ", ".join(f"{k} {v:g} s" for k, v in s.get("stage_seconds", {}).items())
+        lines.append(f"  {seconds['total']} s ({seconds['fuzzing']} s fuzzing; summed over workers: {per_stage})")
+    if s.get("slowest"):
+        lines.append(f"  slowest mutant {s['slowest'][0]['seconds']} s (#{s['slowest'][0]['i']}: "
+                     f"{s['slowest'][0]['what'][:80]}); worker peak RSS {s.get('worker_peak_rss_mb')} MB")
+    lines.append(f"findings: {len(s['findings'])}")
+    for f in s["findings"][:50]:
+        lines.append(f"  #{f['i']} {f['cls']}/{f['base']} [{f['kind']} in {f['stage']}] {f['error']} "
+                     f"({f['where']}); mutant: {f['what']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m grace.tools.fuzz",
+        description="Mutation fuzzer over .grace packages: every mutant must be refused with one of "
+                    "grace's typed errors (or accepted) by the reader, grace verify, grace inspect, the "
+                    "runtime's load path (fake driver) and optionally the CPU executor's planning, "
+                    "within --timeout seconds and --memory-mb. Exit status 1 when there are findings.")
+    p.add_argument("--count", type=int, default=1000, help="mutants to run (default 1000)")
+    p.add_argument("--seed", type=int, default=0, help="mutant i is a function of (seed, i) (default 0)")
+    p.add_argument("--package", action="append", default=[], metavar="PATH",
+                   help="a package to mutate (repeatable); default: the compiled corpus")
+    p.add_argument("--corpus", default=None, metavar="DIR",
+                   help=f"where the corpus is compiled and cached (default {default_corpus_dir()})")
+    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                   help="worker processes (default: 2)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds per mutant before it counts as a hang (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB,
+                   help=f"address space a worker may add while running a mutant (default {DEFAULT_MEMORY_MB})")
+    p.add_argument("--interpret", action="store_true",
+                   help="also run the CPU executor's planning (imports torch in every worker)")
+    p.add_argument("--no-runtime", action="store_true", help="skip the runtime's load path")
+    p.add_argument("--save", metavar="DIR", help="write the mutants of the findings to DIR")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = p.parse_args(argv)
+
+    paths = args.package or build_corpus(args.corpus or default_corpus_dir())
+    stages = ["verify", "inspect"]
+    if not args.no_runtime:
+        stages.append("runtime")
+    if args.interpret:
+        stages.append("interpret")
+
+    def progress(done, total, r):
+        if not args.json and (done % 500 == 0 or done == total):
+            print(f"  {done}/{total}", file=sys.stderr, flush=True)
+
+    summary = fuzz(paths, args.count, args.seed, workers=args.workers, timeout=args.timeout,
+                   memory_mb=args.memory_mb, stages=stages, progress=progress)
+    if args.save and summary["findings"]:
+        save_findings(summary, paths, args.save)
+    print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
+    return 1 if summary["findings"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
