@@ -13,7 +13,7 @@ import math
 
 import sympy
 
-from .ir import (ERRORS, EXTENTS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape,
+from .ir import (ERRORS, EXTENTS, FLOATS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape,
                  SymValue, compute_dtype, contiguous_strides, is_contiguous, numel)
 from .ops import FLOAT_OPERANDS, SAME_TYPE_OPERANDS, TEMPLATES  # what each Op means
 from .shapes import is_static_size
@@ -57,6 +57,7 @@ class Writer:
         self._n = 0
         self.symbols = symbols or {}
         self._sizes: dict = {}
+        self.gather_depth = 0           # > 0 while emitting loads at computed indices (ptr(aligned=False))
 
     def var(self, prefix="t") -> str:
         self._n += 1
@@ -74,8 +75,21 @@ class Writer:
         finally:
             self._before_wait = False
 
-    def ptr(self, buf) -> str:
-        """The typed pointer variable of a buffer; I/O buffers are read from their table slot."""
+    def ptr(self, buf, aligned: bool = True) -> str:
+        """The typed pointer variable of a buffer; I/O buffers are read from their table slot.
+
+        `aligned=False`: the same address with its alignment hidden from Triton (plus
+        `program_id(0) >> 31`, always 0), so loads through it are never vectorized. Triton 3.6
+        miscompiles some vectorized masked loads at computed indices: a 16-bit adaptive average
+        pooling gave twice the right value in a quarter of its outputs on the H200, right again
+        with scalar loads (docs/op-conformance.md). Gathers at computed indices use it."""
+        if not aligned:
+            base = self.ptr(buf)
+            key = (id(buf), "unaligned")
+            if key not in self._ptr:
+                self.prologue.append(f"{base}u = {base} + (tl.program_id(0) >> 31)")
+                self._ptr[key] = f"{base}u"
+            return self._ptr[key]
         if self._before_wait and buf.kind != "weight":
             raise NotBeforeWait(f"{buf.kind} buffer {buf.name} before gdc_wait()")
         key = id(buf)
@@ -283,7 +297,7 @@ class ExprEmitter:
 
     def _load(self, e: Load, ctx: Ctx) -> str:
         w = self.w
-        ptr = w.ptr(e.buf)
+        ptr = w.ptr(e.buf, aligned=not w.gather_depth)
         big = numel(e.buf.shape) >= 2**31
         if (ctx.linear is not None and not big
                 and is_contiguous(e.strides, ctx.shape)):
@@ -310,7 +324,7 @@ class ExprEmitter:
         """A user tensor with dynamic dimensions: never remapped (views.remap), so the load's index
         space is the tensor's own; runtime strides and a bounds mask from its slot."""
         w = self.w
-        ptr = w.ptr(e.buf)
+        ptr = w.ptr(e.buf, aligned=not w.gather_depth)
         addr, bounds = w.user_address(e.buf, [ctx.dim(d) for d in range(len(e.buf.shape))])
         masks = ([] if ctx.mask == "None" else [f"({ctx.mask})"]) + bounds
         v = w.var("x")
@@ -631,7 +645,12 @@ class ExprEmitter:
             w.emit(f"{inb} = " + " & ".join(conds))
             mask = inb if ctx.mask == "None" else f"({ctx.mask}) & {inb}"
         child = Ctx(w, child_shape, bound, None, mask, ctx.zero)
-        value = self.value(e.child, child)
+        computed = inb is not None and any(m.kind == "expr" for m in e.maps)
+        w.gather_depth += computed   # padded reads at computed indices: scalar loads (Writer.ptr)
+        try:
+            value = self.value(e.child, child)
+        finally:
+            w.gather_depth -= computed
         if inb is None:
             return value
         v = w.var()
@@ -687,7 +706,15 @@ def _shape_of_child(e: Reindex):
 def _cast(v: str, src: str, dst: str) -> str:
     if dst == "bool":
         return f"({v} != 0)"
-    return f"{v}.to({TL_TYPE[compute_dtype(dst)]})"
+    return _convert(v, src, compute_dtype(dst))
+
+
+def _convert(v: str, src: str, dst: str) -> str:
+    """A float goes to uint8 through int64, as torch defines it (c10's static_cast_with_inter_type:
+    -1.5 -> -1 -> 255, where a direct conversion is undefined and the GPU saturates to 0)."""
+    if dst == "uint8" and src in FLOATS:
+        return f"{v}.to(tl.int64).to(tl.uint8)"
+    return f"{v}.to({TL_TYPE[dst]})"
 
 
 def _op_code(e: Op, a: list[str], out_c: str, arg_c: list[str]) -> str:
@@ -696,13 +723,16 @@ def _op_code(e: Op, a: list[str], out_c: str, arg_c: list[str]) -> str:
         return TEMPLATES[op].format(*a)
     if op == "not":
         return f"{a[0]} == 0" if arg_c[0] != "bool" else f"{a[0]} ^ 1"
+    if op == "bitnot":  # unsigned: xor with all ones (Triton's interpreter overflows ~x there)
+        bits = {"uint8": 0xFF, "uint16": 0xFFFF, "uint32": 0xFFFFFFFF}.get(arg_c[0])
+        return f"~{a[0]}" if bits is None else f"{a[0]} ^ {bits}"
     if op == "cast":
         if e.dtype == "bool":
             return f"{a[0]} != 0"
         # round through the storage type, so an explicit cast to bf16/fp16 rounds like torch
         if e.dtype in ("float16", "bfloat16"):
             return f"{a[0]}.to({TL_TYPE[e.dtype]}).to(tl.float32)"
-        return f"{a[0]}.to({TL_TYPE[out_c]})"
+        return _convert(a[0], arg_c[0], out_c)
     if op == "tanh":
         return _tanh(a[0])
     if op == "gelu":

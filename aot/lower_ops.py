@@ -85,9 +85,14 @@ def _div_mode(L, node, a, b, rounding_mode=None):
     return TV(Op(rounding_mode, [q], dtype), shape)
 
 
-@handles(aten.logical_not.default, aten.bitwise_not.default)
+@handles(aten.logical_not.default)
 def _not(L, node, x):
     return _pointwise(L, node, "not", x)
+
+
+@handles(aten.bitwise_not.default)
+def _bitwise_not(L, node, x):
+    return _pointwise(L, node, "not" if L.out_meta(node)[1] == "bool" else "bitnot", x)
 
 
 @handles(aten.isnan.default)

@@ -73,7 +73,8 @@ _ROWS = [
     PointwiseOp("and", "{0} & {1}", aten=("bitwise_and.Tensor", "logical_and.default")),
     PointwiseOp("or", "{0} | {1}", aten=("bitwise_or.Tensor", "logical_or.default")),
     PointwiseOp("xor", "{0} ^ {1}", aten=("bitwise_xor.Tensor", "logical_xor.default")),
-    PointwiseOp("not", None),
+    PointwiseOp("not", None),  # logical: x == 0 (bool: x ^ 1)
+    PointwiseOp("bitnot", None),  # bitwise_not of an integer (of a bool it is "not")
     PointwiseOp("eq", "{0} == {1}", aten=("eq.Tensor", "eq.Scalar"), aten_operands="common"),
     PointwiseOp("ne", "{0} != {1}", aten=("ne.Tensor", "ne.Scalar"), aten_operands="common"),
     PointwiseOp("lt", "{0} < {1}", aten=("lt.Tensor", "lt.Scalar"), aten_operands="common"),

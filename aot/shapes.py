@@ -99,6 +99,8 @@ def regroup(in_shape, in_ext, out_shape) -> tuple:
     """Extents after a view from `in_shape` to `out_shape` (bucket sizes): static factors split
     and merge freely, dynamic factors move whole. Raises ShapeError when a dynamic factor would be
     split — then the bucket layout would not be the view of the true tensor."""
+    if 0 in in_shape or 0 in out_shape:  # an empty tensor: no element to index, nothing dynamic
+        return (None,) * len(out_shape)
     queue: list[list] = []
     for size, entry in zip(in_shape, in_ext):
         for b, t in factors(entry, size):

@@ -180,3 +180,57 @@ def test_float_division_modes(tmp_path):
                         torch.div(a, b, rounding_mode="trunc"), torch.remainder(a, b),
                         torch.fmod(a, b)),
           (a, b), tmp_path=tmp_path, rtol=1e-6)
+
+
+# ---- found by the full sweep on the H200 (fp32 + fp16, 2 samples, edge samples) ---------------
+def test_matmul_with_an_empty_dimension(tmp_path):
+    """mm / linear with M, K or N = 0: an empty result, or zeros plus the bias when K = 0 (the
+    extents of a view of an empty tensor divided by 0 before)."""
+    check(lambda a, b, w, bias: (a @ b, F.linear(a, w, bias)),
+          (torch.randn(0, 5), torch.randn(5, 10), torch.randn(4, 5), torch.randn(4)),
+          tmp_path=tmp_path)
+    check(lambda a, b, w, bias: (a @ b, F.linear(a, w, bias), a[:, :0] @ b[:0],
+                                 F.linear(a[:, :0], w[:, :0], bias), a @ b[:, :0]),
+          (torch.randn(3, 5), torch.randn(5, 10), torch.randn(4, 5), torch.randn(4)),
+          tmp_path=tmp_path, rtol=1e-5)
+
+
+def test_bitwise_not_of_integers_and_bools(tmp_path):
+    """~x is bitwise for integers (it was a logical not: ~16777217 gave 0) and logical for bools;
+    uint8 stays in 8 bits."""
+    check(lambda a, b, c: (~a, ~b, ~c, torch.logical_not(a), torch.bitwise_not(a + 1)),
+          (torch.tensor([BIG, -BIG, 2**24 + 1, 0, -1, 7]),
+           torch.tensor([0, 1, 255, 7], dtype=torch.uint8),
+           torch.tensor([True, False])), tmp_path=tmp_path)
+
+
+def test_float_to_uint8_goes_through_int64(tmp_path):
+    """torch defines float -> uint8 as float -> int64 -> uint8 (-1.5 -> 255), where a direct
+    conversion is undefined and the GPU saturates to 0: the kernel converts in two steps."""
+    from grace.formats import read_package
+
+    x = torch.tensor([-1.5, -0.5, 0.5, 1.5, -100.0, 254.9, -3.0])
+    check(lambda x: (x.byte(), x.to(torch.uint8) + 1, x.char()), (x,), tmp_path=tmp_path)
+    pkg = read_package(tmp_path / "m.grace")
+    sources = [bytes(pkg.section(f"src/{k['name']}.py")).decode() for k in pkg.manifest["kernels"]
+               if k["family"] != "table_writer"]
+    assert any(".to(tl.int64).to(tl.uint8)" in s for s in sources)
+
+
+def test_fp16_adaptive_pooling_loads_scalars(tmp_path):
+    """Windows at computed indices (adaptive pooling) load through a pointer whose alignment
+    Triton cannot see: a vectorized fp16 load there gave twice the right value on the H200
+    (tests/gpu/test_op_regressions_gpu.py checks the values there)."""
+    from grace.formats import read_package
+
+    x = torch.randn(8, 8, 8, 8, dtype=torch.float16)
+    path = grace_compile(Fn(lambda x: F.adaptive_avg_pool3d(x, (5, 7, 4))).eval(), (x,),
+                         output=tmp_path / "p.grace", progress=False)
+    pkg = read_package(path)
+    kernel = next(k for k in pkg.manifest["kernels"] if k["family"] == "reduction")
+    source = bytes(pkg.section(f"src/{kernel['name']}.py")).decode()
+    assert "p0u = p0 + (tl.program_id(0) >> 31)" in source
+    assert "tl.load(p0u + " in source
+    got = interpret(path, ["args_0"], (x,), tmp_path, "ap")[0]
+    want = F.adaptive_avg_pool3d(x.double(), (5, 7, 4)).numpy()
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2e-3, atol=2e-3)
