@@ -227,6 +227,56 @@ def _store_rows(w: Writer, kernel: Kernel, rows: int, br: int):
     return (cdiv(rows, br), 1, 1), 4, 1
 
 
+# A reduction over at most this many elements per row, with many rows (depthwise convolutions and
+# pooling windows: 9 or 25 taps over every output pixel and channel), is unrolled: programs of
+# 1-D row blocks, one load per tap. Neighbouring rows are neighbouring channels, so each tap's load
+# is contiguous (vectorized), where the [rows, next_pow2(taps)] tile wasted 7 of 16 lanes and
+# interleaved the taps' addresses within a warp.
+UNROLL_TAPS = 32
+UNROLL_MIN_ROWS = 4096
+
+
+def _unrolled_rows(kernel: Kernel) -> bool:
+    inp = kernel.inputs
+    src_shape, rdims = inp["src_shape"], inp["rdims"]
+    src_ext = inp.get("src_ext") or (None,) * len(src_shape)
+    cols = numel([src_shape[d] for d in rdims])
+    rows = numel(src_shape) // max(cols, 1)
+    return (1 < cols <= UNROLL_TAPS and rows >= UNROLL_MIN_ROWS
+            and all(src_ext[d] is None for d in rdims))
+
+
+def _unrolled_reduction(kernel: Kernel, w: Writer, op: str, init: str, tl_acc: str):
+    inp = kernel.inputs
+    src_shape, rdims = inp["src_shape"], inp["rdims"]
+    src_ext = inp.get("src_ext") or (None,) * len(src_shape)
+    kept = [d for d in range(len(src_shape)) if d not in rdims]
+    rows = numel([src_shape[d] for d in kept])
+    cols = numel([src_shape[d] for d in rdims])
+    br = 512 if rows >= 512 * 256 else 256 if rows >= 256 * 256 else 128
+    w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})")
+    w.emit(f"rmask = rows < {rows}")
+    kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
+    _and_into(w, "rmask", kept_ctx.valid([src_ext[d] for d in kept]))
+    w.emit(f"zero = tl.zeros([{br}], tl.int32)")
+    w.emit(f"acc = tl.full([{br}], {init}, {tl_acc})")
+    w.emit(f"for cols in tl.static_range({cols}):")
+    w.indent += 1
+    red_ctx = Ctx(w, [src_shape[d] for d in rdims], linear="cols")
+    dims = [None] * len(src_shape)
+    for i, d in enumerate(kept):
+        dims[d] = kept_ctx.dim(i)
+    for i, d in enumerate(rdims):
+        dims[d] = red_ctx.dim(i)
+    ctx = Ctx(w, src_shape, dims, mask="rmask", zero="zero")
+    value = ExprEmitter(w).value(inp["src"], ctx)
+    combine = {"sum": "acc + {v}", "max": "tl.maximum(acc, {v})", "min": "tl.minimum(acc, {v})"}[op]
+    w.emit("acc = " + combine.format(v=f"tl.where(rmask, {value}.to({tl_acc}), {init})"))
+    w.indent -= 1
+    w.emit("red = acc")
+    return _store_rows(w, kernel, rows, br)
+
+
 def reduction(kernel: Kernel, w: Writer):
     inp = kernel.inputs
     op, acc_t = inp["op"], inp["acc_dtype"]
@@ -234,6 +284,8 @@ def reduction(kernel: Kernel, w: Writer):
     if not acc_t.startswith("float") and op != "sum":
         init = "-9223372036854775807" if op == "max" else "9223372036854775807"
     tl_acc = TL_TYPE[acc_t]
+    if _unrolled_rows(kernel):
+        return _unrolled_reduction(kernel, w, op, init, tl_acc)
     rows, _, br, ctx = _row_blocks(
         w, inp, lambda br, bn: w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})"))
     value = ExprEmitter(w).value(inp["src"], ctx)

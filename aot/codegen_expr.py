@@ -645,7 +645,7 @@ class ExprEmitter:
             w.emit(f"{inb} = " + " & ".join(conds))
             mask = inb if ctx.mask == "None" else f"({ctx.mask}) & {inb}"
         child = Ctx(w, child_shape, bound, None, mask, ctx.zero)
-        computed = inb is not None and any(m.kind == "expr" for m in e.maps)
+        computed = inb is not None and any(m.kind == "expr" and _divides(m.expr) for m in e.maps)
         w.gather_depth += computed   # padded reads at computed indices: scalar loads (Writer.ptr)
         try:
             value = self.value(e.child, child)
@@ -701,6 +701,14 @@ def _shape_of_child(e: Reindex):
     # Without bounds the child shape only matters for unraveling, which Reindex never needs:
     # every child dimension is given explicitly.
     return tuple(1 << 30 for _ in e.maps)
+
+
+def _divides(e) -> bool:
+    """An index computed with a division (adaptive pooling's window starts, transposed
+    convolutions): not affine in the output index."""
+    if isinstance(e, Op) and e.op in ("floordiv", "truncdiv", "fmod", "remainder"):
+        return True
+    return any(_divides(c) for c in e.children() if c is not None)
 
 
 def _cast(v: str, src: str, dst: str) -> str:

@@ -9,7 +9,7 @@ aot/generation.py and the table writer produce:
               `from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait`, then one
               function decorated `@triton.jit` with plain positional parameters; nothing else
   statements  assignments and augmented assignments to plain names, expression statements that
-              are calls, `for NAME in range(...)`, `if`, a bare `return`, `pass`
+              are calls, `for NAME in range(...)` or `tl.static_range(...)`, `if`, a bare `return`, `pass`
   expressions names (parameters, locals, `tl`, `range`, `float`, the two gdc functions; nothing
               that starts with an underscore), constants, arithmetic, comparisons, subscripts
               and slices, tuples and lists, calls of `tl.<name>` for the names in TL_NAMES, of
@@ -30,7 +30,7 @@ TL_NAMES = frozenset("""
 abs arange argmax bfloat16 broadcast_to ceil cos cumsum dot erf exp float16 float32 float64 floor
 full int1 int16 int32 int64 int8 load log max maximum min minimum multiple_of pointer_type
 program_id rsqrt sigmoid sin sqrt store sum uint8 where zeros
-cumprod reshape atomic_add atomic_max atomic_min log2 exp2
+cumprod reshape atomic_add atomic_max atomic_min log2 exp2 static_range
 """.split())
 GDC = ("gdc_launch_dependents", "gdc_wait")
 CALLABLE_NAMES = frozenset({"range", "float", *GDC})
@@ -100,9 +100,14 @@ class _Checker:
                 raise SourceRefused(f"line {s.lineno}: an expression statement must be a call")
             self.expr(s.value)
         elif isinstance(s, ast.For):
-            if s.orelse or not (isinstance(s.iter, ast.Call) and isinstance(s.iter.func, ast.Name)
-                                and s.iter.func.id == "range"):
-                raise SourceRefused(f"line {s.lineno}: loops must be `for NAME in range(...)`")
+            it = s.iter
+            plain = isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "range"
+            unrolled = (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute)
+                        and isinstance(it.func.value, ast.Name) and it.func.value.id == "tl"
+                        and it.func.attr == "static_range")
+            if s.orelse or not (plain or unrolled):
+                raise SourceRefused(f"line {s.lineno}: loops must be `for NAME in range(...)` "
+                                    "or `tl.static_range(...)`")
             self.expr(s.iter)
             self.target(s.target)
             self.body(s.body)
