@@ -12,7 +12,13 @@ running it:
                              (SPEC §3, format 3.2). Packages whose kernels do not all declare it
                              (older compilers, handmade) cannot be checked: `unchecked_reason`.
                              One exemption: two stores into the error word of the index checks
-                             (`table.errors`, format 3.3) need no order (`_codes_commute`).
+                             (`table.errors`, format 3.3) need no order (`_is_code_store`).
+                             Not pair by pair (a graph at the 16,384-node cap has ~10⁸ overlapping
+                             pairs, and an all-pairs check took ~20 min): ancestors and descendants
+                             as bitsets, and a sweep per resource over its ranges sorted by start,
+                             that checks each access against all open conflicting nodes at once
+                             (`_unordered`). Seconds at the cap; tests/test_races.py compares it
+                             with the all-pairs definition.
   check_pre_wait(package)    every kernel that is the target of a programmatic edge calls
                              gdc_wait() at the top level of its body, and before that reads nothing
                              but weights: no store, no early return, no table or arena or state
@@ -25,6 +31,7 @@ Both functions return a list of problems (empty: proven).
 from __future__ import annotations
 
 import ast
+import heapq
 from typing import NamedTuple
 
 
@@ -35,15 +42,37 @@ class Access(NamedTuple):
     write: bool
 
 
-def _ancestors(nodes) -> list[int]:
-    """Per node, a bitset of the nodes a path of edges leads from."""
-    anc = []
-    for node in nodes:
-        bits = 0
+# A report stops listing pairs here: a package is input from anyone, and one whose 16,384 nodes
+# all store into one buffer unordered has 134 million racing pairs. Any problem already refutes
+# the proof; the first ones name the missing edges.
+MAX_PROBLEMS = 10_000
+
+
+def _orders(nodes) -> tuple[list[int], list[int]]:
+    """(ancestors, descendants): per node, a bitset (a Python int, bit i = node i) of the nodes a
+    path of edges leads from, and of those it leads to.
+
+    Nodes are listed in an execution order (every dep is an earlier node, SPEC §3), so one pass
+    forward builds the ancestors and one backward pass the descendants: one OR of two bitsets per
+    edge, each ⌈n/64⌉ machine words, done in C. At the cap (16,384 nodes) a bitset is 2 KiB."""
+    n = len(nodes)
+    upto = [0] * n       # ancestors and the node itself
+    children: list[list[int]] = [[] for _ in range(n)]
+    for j, node in enumerate(nodes):
+        bits = 1 << j
         for d in node.get("deps", ()):
-            bits |= anc[d] | (1 << d)
-        anc.append(bits)
-    return anc
+            if 0 <= d < j:
+                bits |= upto[d]
+                children[d].append(j)
+        upto[j] = bits
+    down = [0] * n       # descendants and the node itself
+    for j in range(n - 1, -1, -1):
+        bits = 1 << j
+        for c in children[j]:
+            bits |= down[c]
+        down[j] = bits
+    return ([bits ^ (1 << j) for j, bits in enumerate(upto)],
+            [bits ^ (1 << j) for j, bits in enumerate(down)])
 
 
 def _accesses(manifest, graph) -> dict:
@@ -73,14 +102,73 @@ def _accesses(manifest, graph) -> dict:
     return out
 
 
-def _codes_commute(a: Access, b: Access, error_word) -> bool:
-    """Both accesses are stores of exactly the error word by kernel nodes (not the table writer).
-    Kernels only ever store index-check codes into it and never read it; any nonzero code is a
-    correct report (SPEC §5.4), so such stores commute and no edge has to order them. A read of
-    the word, or the table writer's range over the whole table, is still checked as usual."""
-    if error_word is None:
-        return False
-    return all(x.write and x.node != 0 and (x.start, x.end) == error_word for x in (a, b))
+def _is_code_store(a: Access, error_word) -> bool:
+    """A store of exactly the error word by a kernel node (not the table writer). Kernels only
+    ever store index-check codes into it and never read it; any nonzero code is a correct report
+    (SPEC §5.4), so two such stores commute and no edge has to order them. A read of the word, or
+    the table writer's range over the whole table, is still checked as usual."""
+    return error_word is not None and a.write and a.node != 0 and (a.start, a.end) == error_word
+
+
+# The kinds of access, and which kinds conflict (need a path of edges between their nodes):
+# any pair with a plain write, a read with a code store, never two reads or two code stores.
+_READ, _WRITE, _CODE = 0, 1, 2
+_CONFLICTS = {_READ: (_WRITE, _CODE), _WRITE: (_READ, _WRITE, _CODE), _CODE: (_READ, _WRITE)}
+
+
+def _unordered(accesses: list, anc: list, desc: list, error_word=None):
+    """Yield (a, b), a first in sweep order, for every pair of overlapping accesses by two nodes
+    that conflict and that no path of edges orders; each pair once.
+
+    A sweep over the accesses sorted by start: the accesses still open at a start (end > start)
+    are exactly those that began earlier and overlap it (the later ones find it in turn). Per kind
+    of access, the nodes with an open access are a bitset, so one access is checked against all of
+    them at once: the conflicting open nodes below it must all be its ancestors, those above it
+    all its descendants. That is a handful of bitset operations per access instead of one test
+    per overlapping pair; only the pairs found unordered (none, in a sound package) are listed
+    one by one. `error_word`: the (start, end) of the table's error word, whose code stores
+    commute (_is_code_store), for the "table" resource; None elsewhere."""
+    open_bits = [0, 0, 0]                 # per kind: nodes with an open access of that kind
+    count: dict = {}                      # (kind, node) -> its open accesses of that kind
+    by_node: dict = {}                    # node -> its open accesses (for the report only)
+    ends: list = []                       # heap of (end, seq, kind, access)
+    for seq, acc in enumerate(sorted(accesses)):
+        while ends and ends[0][0] <= acc.start:
+            _, _, kind, old = heapq.heappop(ends)
+            key = (kind, old.node)
+            count[key] -= 1
+            if not count[key]:
+                del count[key]
+                open_bits[kind] ^= 1 << old.node
+            mine = by_node[old.node]
+            mine.remove(old)
+            if not mine:
+                del by_node[old.node]
+        kind = _CODE if _is_code_store(acc, error_word) else _WRITE if acc.write else _READ
+        node = acc.node
+        others = 0
+        for k in _CONFLICTS[kind]:
+            others |= open_bits[k]
+        others &= ~(1 << node)
+        if others:
+            below = others & ((1 << node) - 1)
+            bad = (below & ~anc[node]) | ((others ^ below) & ~desc[node])
+            while bad:
+                low = bad & -bad
+                other = low.bit_length() - 1
+                bad ^= low
+                for prev in by_node[other]:
+                    prev_kind = _CODE if _is_code_store(prev, error_word) else \
+                        _WRITE if prev.write else _READ
+                    if prev_kind in _CONFLICTS[kind]:
+                        yield prev, acc
+        key = (kind, node)
+        if key not in count:
+            count[key] = 0
+            open_bits[kind] |= 1 << node
+        count[key] += 1
+        by_node.setdefault(node, []).append(acc)
+        heapq.heappush(ends, (acc.end, seq, kind, acc))
 
 
 def _label(graph, n: int) -> str:
@@ -97,44 +185,50 @@ def unchecked_reason(manifest) -> str | None:
 
 
 def check_races(manifest) -> list[str]:
-    """Problems found; [] also when `unchecked_reason(manifest)` says the package cannot be judged."""
+    """Problems found; [] also when `unchecked_reason(manifest)` says the package cannot be judged.
+
+    Time: per graph O(E·n/64) word operations for the orders (E edges, n nodes) and
+    O(A·(log A + n/64)) for the sweep (A accesses), so a graph at the node cap (16,384) takes
+    seconds; the list stops after MAX_PROBLEMS problems with a last line that says so."""
     if unchecked_reason(manifest):
         return []
-    problems = []
+    problems: list[str] = []
     errors = (manifest.get("table") or {}).get("errors")
     error_word = (errors["offset"], errors["offset"] + 8) if errors is not None else None
+    slots = manifest["table"]["slots"]
+
+    def add(problem: str) -> bool:
+        """Record a problem; False once the report is full."""
+        if len(problems) >= MAX_PROBLEMS:
+            problems.append(f"... more problems not listed (the report stops after {MAX_PROBLEMS})")
+            return False
+        problems.append(problem)
+        return True
+
     for g, graph in enumerate(manifest.get("graphs", [])):
-        anc = _ancestors(graph["nodes"])
+        anc, desc = _orders(graph["nodes"])
         name = graph.get("name", g)
         for resource, accesses in _accesses(manifest, graph).items():
             if resource == "weights":
-                problems += [f"graph {name!r}: {_label(graph, a.node)} writes the weights"
-                             for a in accesses if a.write]
+                for a in accesses:
+                    if a.write and not add(f"graph {name!r}: {_label(graph, a.node)} writes the weights"):
+                        return problems
                 continue
-            if isinstance(resource, tuple):
-                role = manifest["table"]["slots"][resource[1]]["role"]
-                if role == "input":
-                    problems += [f"graph {name!r}: {_label(graph, a.node)} writes input "
-                                 f"{manifest['table']['slots'][resource[1]]['name']!r}"
-                                 for a in accesses if a.write]
-            active: list[Access] = []
-            for acc in sorted(accesses):
-                active = [a for a in active if a.end > acc.start]
-                for other in active:
-                    if other.node == acc.node or not (other.write or acc.write):
-                        continue
-                    if resource == "table" and _codes_commute(other, acc, error_word):
-                        continue
-                    first, second = sorted((other.node, acc.node))
-                    if not anc[second] >> first & 1:
-                        what = resource if isinstance(resource, str) else \
-                            f"tensor {manifest['table']['slots'][resource[1]]['name']!r}"
-                        span = "" if isinstance(resource, tuple) else \
-                            f" [{max(acc.start, other.start)}, {min(acc.end, other.end)})"
-                        problems.append(f"graph {name!r}: {_label(graph, first)} and "
-                                        f"{_label(graph, second)} touch {what}{span}, one of "
-                                        "them writing, and no path of edges orders them")
-                active.append(acc)
+            if isinstance(resource, tuple) and slots[resource[1]]["role"] == "input":
+                for a in accesses:
+                    if a.write and not add(f"graph {name!r}: {_label(graph, a.node)} writes input "
+                                           f"{slots[resource[1]]['name']!r}"):
+                        return problems
+            what = resource if isinstance(resource, str) else f"tensor {slots[resource[1]]['name']!r}"
+            word = error_word if resource == "table" else None
+            for other, acc in _unordered(accesses, anc, desc, word):
+                first, second = sorted((other.node, acc.node))
+                span = "" if isinstance(resource, tuple) else \
+                    f" [{max(acc.start, other.start)}, {min(acc.end, other.end)})"
+                if not add(f"graph {name!r}: {_label(graph, first)} and {_label(graph, second)} "
+                           f"touch {what}{span}, one of them writing, and no path of edges orders "
+                           "them"):
+                    return problems
     return problems
 
 
