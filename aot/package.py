@@ -5,6 +5,12 @@ schedule. A kernel argument is a byte range of a region (weights, arena, the tab
 tensor, the extents words, or the error word of the index checks) so the loader can check every
 range before anything is launched.
 Kernels are shared between graphs where their sources are identical.
+
+Format 3.4: the manifest also records what each kernel and graph was compiled for (`compiled`,
+SPEC §3.4): per kernel its parameters, block, shared memory and every node it was generated for
+(grid, and per parameter the buffer and the bytes it may touch); per graph its bucket and memory
+plan. The reader checks every node against them (grace.formats.crosscheck). They add manifest data
+only: kernel sources and binaries are the same with or without them.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ from .codegen import KernelSource
 from .ir import Buffer, Program
 from .memplan import MemoryPlan
 from .shapes import sym_expr, to_manifest
+
+HIDDEN_PARAMS = 2   # Triton 3.6 appends global and profile scratch pointers to every entry point
 
 
 def table_layout(program: Program, n_symbols: int = 0,
@@ -87,6 +95,71 @@ def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict,
             "dtype": "int64"}
 
 
+def _describe(buf: Buffer, slots: list[dict], extents: dict) -> list:
+    """What a kernel parameter was generated for, as its record says it (format 3.4, SPEC §3.4):
+    the buffer, by kind and name, and the bytes the kernel may touch through the parameter (the
+    buffer's bytes: the generated indexing stays inside the buffer it was generated for). A table
+    slot also names its I/O tensor with the dtype and the shape (at this graph's bucket) the kernel
+    was specialised for."""
+    if buf.kind == "arena":
+        return ["arena", buf.nbytes, buf.name]
+    if buf.kind == "weight":
+        return ["weights", buf.nbytes, buf.name]
+    if buf.kind == "state":
+        return ["state", buf.nbytes, buf.name]
+    if buf.kind == "extents":
+        return ["extents", table.WORD_NBYTES * extents["count"]]
+    if buf.kind == "errors":
+        return ["errors", table.WORD_NBYTES]
+    slot = slots[buf.slot]
+    return ["slot", table.slot_nbytes(slot["rank"]), buf.name, buf.dtype, [int(d) for d in buf.shape]]
+
+
+def _use(graph: int | None, node: int | None, grid, args: list) -> dict:
+    """One entry of a kernel record's `uses`: a node the kernel was compiled for (graph None: the
+    generate step), its grid and its parameters' descriptors (`_describe`; ["word", i] for an
+    integer parameter that receives table word i)."""
+    return {"graph": graph, "node": node, "grid": [int(x) for x in grid], "args": args}
+
+
+def _graph_record(g: GraphBuild, symbols: list) -> dict:
+    """`graphs[i].compiled` (3.4): the sizes this graph was lowered to serve, per symbol
+    [smallest, bound], and its memory plan: every arena buffer with the bytes the plan reserves for
+    it (256-aligned) and the nodes from its first writer to its last reader."""
+    buffers = sorted(g.plan.arena.values(), key=lambda p: (p.first, p.offset, p.buffer.name))
+    names = [p.buffer.name for p in buffers]
+    if len(set(names)) != len(names):
+        raise AssertionError(f"internal: graph {g.name} has two arena buffers of one name")
+    return {"bucket": {s.name: [int(s.lo), int(g.bucket[s.name])] for s in symbols},
+            "buffers": [{"name": p.buffer.name, "dtype": p.buffer.dtype, "offset": p.offset,
+                         "nbytes": p.nbytes, "first": p.first + 1, "last": p.last + 1}
+                        for p in buffers]}
+
+
+def _kernel_record(src: KernelSource, binaries: dict, archs: list[str], uses: list,
+                   positions: list | None) -> dict:
+    """`kernels[i].compiled` (3.4): what the kernel was built for, from the compiler's own
+    knowledge. `nparams`: the entry point's parameters with Triton's hidden ones; `block`: the
+    threads per block Triton generated the code for (32·num_warps of its metadata); `shared`: the
+    dynamic shared memory the binaries need; `waits`: the code calls gdc_wait() before it touches
+    anything another node writes (it may be the target of programmatic edges, SPEC §5.3);
+    `writes`: the parameters its code stores through (what the race proof relies on); `source`:
+    the section of its source (what the CPU executor runs);
+    `table_words` (the table writer only): the int64 position of the table each word parameter is
+    stored at; `uses`: every node it was compiled for."""
+    warps = {binaries[(src.name, arch)].num_warps for arch in archs}
+    if warps != {src.num_warps}:
+        raise AssertionError(f"internal: {src.name} built with num_warps {sorted(warps)}, "
+                             f"generated for {src.num_warps}")
+    record = {"nparams": len(src.param_types) + HIDDEN_PARAMS, "block": 32 * src.num_warps,
+              "shared": max(binaries[(src.name, arch)].shared for arch in archs),
+              "waits": "gdc_wait()" in src.source, "writes": list(src.writes),
+              "source": f"src/{src.name}.py", "uses": uses}
+    if positions is not None:
+        record["table_words"] = list(positions)
+    return record
+
+
 def weight_view(tensor: torch.Tensor):
     """The tensor's bytes as a numpy view (no copy; it keeps the tensor alive) for a TensorBlob."""
     flat = tensor.contiguous().reshape(-1)
@@ -97,13 +170,16 @@ def weight_view(tensor: torch.Tensor):
 
 def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: dict,
                     archs: list[str], sections: dict,
-                    extra=()) -> tuple[list[dict], dict[str, int]]:
+                    extra=()) -> tuple[list[dict], dict[str, int], list]:
+    """The `kernels` entries (one per unique source), the index of each by name, and their sources
+    in that order (for the records, `_kernel_record`)."""
     unique: dict[str, int] = {}
-    entries = []
+    entries, sources = [], []
     for src in [writer] + [s for g in graphs for s in g.sources] + list(extra):
         if src.name in unique:
             continue
         unique[src.name] = len(entries)
+        sources.append(src)
         sha = hashlib.sha256(src.source.encode()).hexdigest()
         sections[f"src/{src.name}.py"] = src.source.encode()
         entry_bins, shared, gscratch, pscratch = {}, 0, 0, 0
@@ -119,19 +195,25 @@ def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: di
         entries.append({
             "name": src.name, "family": src.family, "params": params,
             "num_warps": src.num_warps, "num_stages": src.num_stages, "shared": shared,
-            "hidden_params": 2, "writes": list(src.writes), "global_scratch_size": gscratch,
+            "hidden_params": HIDDEN_PARAMS, "writes": list(src.writes), "global_scratch_size": gscratch,
             "profile_scratch_size": pscratch, "source_sha256": sha,
             "binaries": entry_bins, "source": f"src/{src.name}.py"})
-    return entries, unique
+    return entries, unique, sources
 
 
 def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, extents,
-                 table_nbytes: int, pdl: bool = False, errors: dict | None = None) -> dict:
+                 table_nbytes: int, pdl: bool = False, errors: dict | None = None,
+                 index: int = 0, uses: dict | None = None) -> dict:
+    """Graph `index` of the manifest; `uses` (kernel index -> list) collects the nodes each kernel
+    runs in, for the kernel records."""
+    uses = {} if uses is None else uses
     words = table.word_count((s["rank"] for s in slots), extents["count"])
     nodes = [{"kernel": unique[writer.name], "grid": [1, 1, 1],
               "args": [{"region": "table", "offset": 0, "nbytes": table_nbytes, "dtype": "int64"}]
               + [{"word": i} for i in range(words)],
               "deps": [], "label": "table_writer"}]
+    uses.setdefault(unique[writer.name], []).append(
+        _use(index, 0, writer.grid, [["table", table_nbytes]] + [["word", i] for i in range(words)]))
     for j, (kernel, src) in enumerate(zip(g.kernels, g.sources)):
         # the error word is part of the table, which the table writer's range covers whole: a
         # kernel that stores into it is ordered after node 0 as well
@@ -145,6 +227,8 @@ def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, exten
         programmatic = [d for d in node_deps if d != 0] if pdl else []
         if programmatic:   # kernel -> kernel edges; the table writer's (node 0) stay full (SPEC §5)
             node["programmatic"] = programmatic
+        uses.setdefault(node["kernel"], []).append(
+            _use(index, len(nodes), src.grid, [_describe(b, slots, extents) for b in src.buffers]))
         nodes.append(node)
     families: dict[str, int] = {}
     for src in g.sources:
@@ -232,8 +316,9 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
     from grace.formats import TensorBlob
 
     sections: dict = {}
-    kernel_entries, unique = _kernel_entries(writer, graphs, binaries, archs, sections,
-                                             [step.source] if step else ())
+    kernel_entries, unique, kernel_sources = _kernel_entries(writer, graphs, binaries, archs, sections,
+                                                             [step.source] if step else ())
+    uses: dict[int, list] = {}
     first = graphs[0]
     program, plan = first.program, first.plan
     names = {s.expr: s.name for s in symbols}
@@ -266,14 +351,24 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
                           for p in sorted(plan.arena.values(), key=lambda p: p.first)],
         "kernels": kernel_entries,
         "graphs": [_graph_entry(g, writer, unique, slots, extents, table_nbytes,
-                                bool(options.get("pdl")), errors)
-                   for g in graphs],
+                                bool(options.get("pdl")), errors, i, uses)
+                   for i, g in enumerate(graphs)],
     }
+    for entry, g in zip(manifest["graphs"], graphs):   # format 3.4: what each graph was lowered for
+        entry["compiled"] = _graph_record(g, symbols)
     if checks:   # format 3.3: what each code a kernel stores into table.errors means
         manifest["index_checks"] = [dict(c) for c in checks]
     if step is not None:
         manifest["generate"] = _generate_entry(step, first, slots, extents)
         manifest["generate"]["step"]["kernel"] = unique[step.source.name]
+        # the step serves every graph's logits: its slots are described without a bucket's shape
+        uses.setdefault(unique[step.source.name], []).append(_use(
+            None, None, step.source.grid, [_describe(b, slots, extents)[:4] for b in step.source.buffers]))
+    positions = table.word_positions([(s["offset"], s["rank"]) for s in slots],
+                                     extents["offset"], extents["count"])
+    for k, (entry, src) in enumerate(zip(kernel_entries, kernel_sources)):   # format 3.4
+        entry["compiled"] = _kernel_record(src, binaries, archs, uses.get(k, []),
+                                           positions if src is writer else None)
     # streamed from the weight tensors into the file: an 8B model's weights are not copied in RAM
     sections["weights"] = TensorBlob({
         b.name: (b.dtype, tuple(b.shape), weight_view(program.weight_data[b.name]))

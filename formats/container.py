@@ -46,7 +46,9 @@ MAGIC = b"GRACE\0PK"
 # 3.3: `index_checks` and `table.errors`: gathers clamp out-of-range indices on the device and
 # store a code into one table word that the runtime reads at its synchronising points; a 3.2
 # reader ignores both keys (it never reads out of range either, it just reports nothing).
-FORMAT_VERSION = (3, 3)
+# 3.4: the compiler's records (`kernels[i].compiled`, `graphs[i].compiled`, SPEC §3.4), which the
+# validator checks every node against (formats/crosscheck.py); a 3.3 reader ignores them.
+FORMAT_VERSION = (3, 4)
 ALIGN = 4096  # section data starts on a page boundary so the weights blob can be mmapped in place
 
 _HEADER = struct.Struct("<8sHHIQQQQQII32s32s")

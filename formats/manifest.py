@@ -23,6 +23,10 @@ clamped into its table on the device, and a kernel that saw an index out of rang
 gather's code (`index_checks[i].code`) into one int64 table word (`table.errors`), which the
 runtime reads at its synchronising points. Both keys are optional; the word is checked against
 the slots and the extents like them, the checks against the inputs they name.
+
+Format 3.4 adds the compiler's records of what each kernel and graph was compiled for
+(`kernels[i].compiled`, `graphs[i].compiled`): formats.crosscheck checks every node against them
+as the last step here (SPEC §3.4, rules C1-C8), and skips that for a package without records.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import NamedTuple
 
 from . import limits
 from .container import FORMAT_VERSION, check_section_name
+from .crosscheck import check_records
 from .dtypes import DTYPES, numel
 from .errors import FormatError, ManifestError
 from .limits import I64_MAX as _I64_MAX
@@ -165,7 +170,8 @@ def _no_overlap(spans, what: str) -> None:
 
 
 def validate_manifest(manifest, section_names=None) -> None:
-    """Raise ManifestError unless `manifest` follows schema 3.0 (SPEC.md §3).
+    """Raise ManifestError unless `manifest` follows schema 3.x (SPEC.md §3), its compiler records
+    (3.4, §3.4) included.
 
     `section_names` (the package's sections) enables the checks that referenced kernel binaries and
     sources exist; read_package and write_package pass it, a compiler stage may leave it out.
@@ -213,6 +219,7 @@ def validate_manifest(manifest, section_names=None) -> None:
     _io_extents(inputs, outputs, m.get("index_checks", ()), graphs, symbols)
     if "generate" in m:
         _generate(m["generate"], inputs, outputs, state, len(graphs), kernels, regions, words)
+    check_records(m, symbols)   # 3.4: every node against what its kernel was compiled for
 
 
 def _regions(m: dict) -> dict:

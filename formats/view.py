@@ -8,7 +8,9 @@ manifest through a `Manifest` instead of walking the msgpack maps, so
     absent: None = unknown, a node's `programmatic` absent: no programmatic edge, ...);
   * nothing downstream repeats a check: every field of a `Manifest` already satisfies the schema,
     including the cross-references (a node's kernel exists, a word argument is in range, ...);
-  * the table's words are located once, by formats.table (`Slot.first_word`, `Table.words`).
+  * the table's words are located once, by formats.table (`Slot.first_word`, `Table.words`);
+  * the compiler's records (format 3.4: `Kernel.compiled`, `Graph.compiled`) are None for a package
+    without them; formats.crosscheck has checked every node against them when they are there.
 
 The records are NamedTuples (immutable, cheap to build for every node of every graph); the maps
 they hold (`bucket`, `regions`, `stats`, `options`, ...) are copies the caller must not modify.
@@ -88,6 +90,48 @@ class Param(NamedTuple):
     type: str          # a Triton type: "*fp32", "i64", ...
 
 
+class Use(NamedTuple):
+    """A node a kernel was compiled for (format 3.4, `kernels[i].compiled.uses[u]`): graph and node
+    index (both None: the generate step), its grid, and per parameter what it was generated for:
+    ("word", i) or (kind, bytes, ...) with kind weights | state | arena | slot | extents | errors |
+    table (formats.crosscheck)."""
+    graph: int | None
+    node: int | None
+    grid: tuple
+    args: tuple
+
+
+class KernelRecord(NamedTuple):
+    """`kernels[i].compiled` (3.4): what the compiler built the kernel for. `table_words`: the
+    table writer's int64 store positions, None for every other kernel."""
+    nparams: int               # entry-point parameters, hidden ones included
+    block: int                 # threads per block the code was generated for
+    shared: int                # dynamic shared memory the binary needs, bytes
+    waits: bool                # calls gdc_wait() before touching what other nodes write
+    writes: tuple              # the parameters its code stores through
+    table_words: tuple | None
+    source: str | None         # the section of its source (None: not recorded)
+    uses: tuple                # Use
+
+
+class PlanBuffer(NamedTuple):
+    """An arena buffer of a graph's memory plan (3.4, `graphs[i].compiled.buffers`): the bytes the
+    plan reserves and the nodes from its first writer to its last reader."""
+    name: str
+    dtype: str
+    offset: int
+    nbytes: int
+    first: int
+    last: int
+
+
+class GraphRecord(NamedTuple):
+    """`graphs[i].compiled` (3.4): per symbol the sizes (smallest, bound) the graph was lowered to
+    serve, and its memory plan."""
+    bucket: dict               # symbol name -> (smallest, bound)
+    buffers: tuple             # PlanBuffer
+
+
 class Kernel(NamedTuple):
     """`kernels[i]` with its optional keys filled in."""
     name: str
@@ -103,6 +147,7 @@ class Kernel(NamedTuple):
     binaries: dict             # arch -> section name
     source: str | None         # section name of the source
     source_sha256: str | None
+    compiled: KernelRecord | None = None   # what it was compiled for (3.4); None: not recorded
 
 
 class Arg(NamedTuple):
@@ -129,6 +174,7 @@ class Graph(NamedTuple):
     arena: int                 # arena bytes this graph uses
     nodes: tuple               # Node, in execution order
     stats: dict                # informative; absent: {}
+    compiled: GraphRecord | None = None    # what it was lowered for (3.4); None: not recorded
 
 
 class IndexCheck(NamedTuple):
@@ -205,7 +251,8 @@ def build_view(m: dict) -> Manifest:
                             for b in m.get("arena_buffers", ())),
         kernels=tuple(_kernel(k) for k in m["kernels"]),
         graphs=tuple(Graph(g["name"], dict(g["bucket"]), g["arena"], tuple(_node(n) for n in g["nodes"]),
-                           dict(g.get("stats", {}))) for g in m["graphs"]),
+                           dict(g.get("stats", {})), _graph_record(g.get("compiled")))
+                     for g in m["graphs"]),
         index_checks=tuple(IndexCheck(c["code"], c["input"], c["op"], c["where"], c["size"])
                            for c in m.get("index_checks", ())),
         generate=_generate(m["generate"]) if "generate" in m else None,
@@ -239,7 +286,27 @@ def _kernel(k: dict) -> Kernel:
         global_scratch_size=k.get("global_scratch_size", 0),
         profile_scratch_size=k.get("profile_scratch_size", 0),
         writes=None if writes is None else tuple(writes),
-        binaries=dict(k["binaries"]), source=k.get("source"), source_sha256=k.get("source_sha256"))
+        binaries=dict(k["binaries"]), source=k.get("source"), source_sha256=k.get("source_sha256"),
+        compiled=_kernel_record(k.get("compiled")))
+
+
+def _kernel_record(r: dict | None) -> KernelRecord | None:
+    if r is None:
+        return None
+    words = r.get("table_words")
+    return KernelRecord(r["nparams"], r["block"], r["shared"], r["waits"], tuple(r["writes"]),
+                        None if words is None else tuple(words), r.get("source"),
+                        tuple(Use(u["graph"], u["node"], tuple(u["grid"]),
+                                  tuple(tuple(tuple(x) if isinstance(x, list) else x for x in d)
+                                        for d in u["args"])) for u in r["uses"]))
+
+
+def _graph_record(r: dict | None) -> GraphRecord | None:
+    if r is None:
+        return None
+    return GraphRecord({name: tuple(pair) for name, pair in r["bucket"].items()},
+                       tuple(PlanBuffer(b["name"], b["dtype"], b["offset"], b["nbytes"], b["first"],
+                                        b["last"]) for b in r["buffers"]))
 
 
 def _arg(a: dict) -> Arg:
@@ -259,4 +326,5 @@ def _generate(g: dict) -> Generate:
 
 
 __all__ = ["Manifest", "Table", "Slot", "TensorSpec", "TensorEntry", "ArenaBuffer", "Param", "Kernel",
-           "Arg", "Node", "Graph", "IndexCheck", "Generate", "Symbol", "as_view", "build_view"]
+           "KernelRecord", "Use", "Arg", "Node", "Graph", "GraphRecord", "PlanBuffer", "IndexCheck",
+           "Generate", "Symbol", "as_view", "build_view"]

@@ -60,6 +60,11 @@ def test_no_findings_in_mutants_of_compiled_packages(corpus):
     assert sum(n for stage, n in manifest["rejected"].items() if stage != "read") > 0
     assert set(summary["stage_seconds"]) == {"read", *STAGES}
     assert all(t > 0 for t in summary["stage_seconds"].values())
+    # what the reader and the tools accept is rarely dangerous (issue 10, item 3): the records of
+    # format 3.4 tie every launch-relevant field to what the kernels were compiled for
+    assert summary["dangerous_rate"] <= 0.01, fuzz.format_summary(summary)
+    assert summary["dangerous_rate_without_record_edits"] <= 0.01, fuzz.format_summary(summary)
+    assert manifest["without_record_edits"] > COUNT // 8   # the rate is measured on enough of them
 
 
 @pytest.mark.slow   # compiles the corpus (once per module)
@@ -90,7 +95,7 @@ def test_fast_pack_is_the_writers_layout(bases):
     """fuzz.pack (hashes precomputed) writes the bytes grace.formats' writer writes."""
     for b in bases:
         blob = b.data[b.manifest_offset:b.manifest_offset + b.manifest_nbytes]
-        assert fuzz.pack(blob, b.sections) == b.data
+        assert fuzz.pack(blob, b.sections, b.version) == b.data
 
 
 @pytest.mark.slow   # compiles the corpus (once per module)
@@ -122,14 +127,56 @@ def test_untyped_errors_are_findings(corpus, monkeypatch):
 @pytest.mark.slow   # compiles the corpus (once per module)
 def test_hangs_are_findings(corpus):
     """A mutant past the timeout kills its worker; the run goes on with a fresh one."""
-    summary = fuzz.fuzz(corpus[:1], 2, SEED, workers=1, timeout=1.0, stages=("_hang",))
+    summary = fuzz.fuzz(corpus[:1], 2, SEED, workers=1, timeout=0.25, stages=("_hang",))
     assert [f["kind"] for f in summary["findings"]] == ["hang", "hang"]
     assert all(f["what"] for f in summary["findings"])   # the mutant is named for reproduction
 
 
+def elf(kernel: str, params: list, reqntid=None, shared: int = 0) -> bytes:
+    """A minimal ELF64 cubin as ptxas lays one out: .text.<kernel>, .nv.info.<kernel> with an
+    EIATTR_KPARAM_INFO entry per parameter (and EIATTR_REQNTID), .nv.shared.<kernel>."""
+    import struct
+
+    info = b"".join(struct.pack("<BBHIHHI", 4, 0x17, 12, 0, i, 8 * i, size << 18)
+                    for i, size in reversed(list(enumerate(params))))
+    if reqntid:
+        info += struct.pack("<BBH3I", 4, 0x10, 12, *reqntid)
+    names = [b"", b".shstrtab", f".text.{kernel}".encode(), f".nv.info.{kernel}".encode(),
+             f".nv.shared.{kernel}".encode()]
+    strtab = b"\0".join(names) + b"\0"
+    name_at = [strtab.index(n + b"\0") if n else 0 for n in names]
+    body = strtab + b"\0" * 8 + info
+    data_at = 64
+    info_at = data_at + len(strtab) + 8
+    shoff = data_at + len(body)
+    shoff += -shoff % 8
+    header = bytearray(64)
+    header[:5] = b"\x7fELF\x02"
+    struct.pack_into("<Q", header, 0x28, shoff)
+    struct.pack_into("<HHH", header, 0x3A, 64, len(names), 1)
+    sections = [struct.pack("<IIQQQQIIQQ", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+                struct.pack("<IIQQQQIIQQ", name_at[1], 3, 0, 0, data_at, len(strtab), 0, 0, 1, 0),
+                struct.pack("<IIQQQQIIQQ", name_at[2], 1, 0, 0, info_at, 0, 0, 0, 1, 0),
+                struct.pack("<IIQQQQIIQQ", name_at[3], 0x70000000, 0, 0, info_at, len(info), 0, 0, 4, 0),
+                struct.pack("<IIQQQQIIQQ", name_at[4], 8, 0, 0, 0, shared, 0, 0, 16, 0)]
+    image = bytes(header) + body
+    return image + b"\0" * (shoff - len(image)) + b"".join(sections)
+
+
+def test_cubin_functions_reads_what_the_driver_would_report():
+    assert fuzz.cubin_functions(elf("k_mm", [8, 8, 4], reqntid=(128, 1, 1), shared=1024)) == {
+        "k_mm": {"params": [8, 8, 4], "max_threads": 128, "reqntid": (128, 1, 1), "static_shared": 1024}}
+    assert fuzz.cubin_functions(elf("k", []))["k"] == {"params": [], "max_threads": 1024, "reqntid": None,
+                                                       "static_shared": 0}
+    for bad in (b"", b"not a cubin", b"\x7fELF\x02" + bytes(59), elf("k", [8])[:100]):
+        with pytest.raises(ValueError):
+            fuzz.cubin_functions(bad)
+
+
 def test_fake_driver_answers_like_a_device():
     """What the fuzzer's driver refuses, as a GPU would: more memory than it has, a size_t
-    overflow, a non-ELF image, a function the image does not contain, too much shared memory."""
+    overflow, a non-ELF image, a function the image does not contain, too much shared memory, a
+    block other than the binary's .reqntid; and what it reports about a binary's parameters."""
     pytest.importorskip("cuda.bindings.driver")
     f = fuzz.FakeDriver(device_nbytes=1 << 20)
     err = f._real.CUresult
@@ -141,12 +188,39 @@ def test_fake_driver_answers_like_a_device():
     assert f.cuMemsetD8Async(int(ptr) + 1000, 0, 100, None)[0] == err.CUDA_ERROR_INVALID_VALUE
     assert f.violations and "outside every allocation" in f.violations[0]
     assert f.cuModuleLoadData(b"not a cubin")[0] == err.CUDA_ERROR_INVALID_IMAGE
-    _, module = f.cuModuleLoadData(b"\x7fELF...k_mm...")
-    assert f.cuModuleGetFunction(module, b"k_mm")[0] == f.ok
+    assert f.cuModuleLoadData(b"\x7fELF...k_mm...")[0] == err.CUDA_ERROR_INVALID_IMAGE
+    _, module = f.cuModuleLoadData(elf("k_mm", [8, 8, 4], reqntid=(128, 1, 1), shared=1024))
+    ok, function = f.cuModuleGetFunction(module, b"k_mm")
+    assert ok == f.ok
+    assert f.cuModuleGetFunction(module, b"k_m")[0] == err.CUDA_ERROR_NOT_FOUND   # names, not bytes
     assert f.cuModuleGetFunction(module, b"k_other")[0] == err.CUDA_ERROR_NOT_FOUND
+    assert [f.cuFuncGetParamInfo(function, i) for i in range(4)] == [
+        (f.ok, 0, 8), (f.ok, 8, 8), (f.ok, 16, 4), (err.CUDA_ERROR_INVALID_VALUE, 0, 0)]
+    attr = f._real.CUfunction_attribute
+    assert f.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, function) == (f.ok, 128)
+    assert f.cuFuncGetAttribute(attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function) == (f.ok, 1024)
+    p = f._real.CUDA_KERNEL_NODE_PARAMS()
+    p.func, p.blockDimX, p.blockDimY, p.blockDimZ = function, 64, 1, 1
+    assert f.cuGraphAddKernelNode(None, [], 0, p)[0] == err.CUDA_ERROR_INVALID_VALUE   # not .reqntid
+    p.blockDimX = 128
+    assert f.cuGraphAddKernelNode(None, [], 0, p)[0] == f.ok
     assert f.cuFuncSetAttribute(None, None, 232449)[0] == err.CUDA_ERROR_INVALID_VALUE
     with pytest.raises(OverflowError):
         f.cuFuncSetAttribute(None, None, 2**31)
+
+
+@pytest.mark.slow   # compiles the corpus (once per module)
+def test_fake_driver_reads_the_real_cubins_like_the_manifest_says(bases):
+    """Every kernel of the corpus: the ELF's parameters are the manifest's params + hidden_params
+    (8 bytes each here), its .reqntid the 32 * num_warps threads Triton generated the code for."""
+    from grace.runtime.abi import param_nbytes
+
+    for b in bases:
+        pkg = read_package(b.path)
+        for kernel in pkg.view.kernels:
+            info = fuzz.cubin_functions(bytes(pkg.section(kernel.binaries["sm_90"])))[kernel.name]
+            assert info["params"] == param_nbytes(kernel), kernel.name
+            assert info["reqntid"] == (32 * kernel.num_warps, 1, 1), kernel.name
 
 
 @pytest.mark.slow   # compiles the corpus (once per module)
@@ -256,3 +330,45 @@ def test_a_divisor_that_is_zero_at_some_sizes_fails_those_calls(bases):
     assert plan.prepare([(5, 32)]).output_shapes[0] == (5, 16)
     with pytest.raises(InvalidPackageError, match="divides 0 by zero"):
         plan.prepare([(1, 32)])
+
+
+@pytest.mark.slow   # compiles the corpus (once per module)
+def test_accepted_mutants_are_classified_by_what_they_change(bases):
+    """The rules of docs/format-fuzzing.md, "Classifying accepted mutants", on edits of real
+    packages: what the runtime acts on is dangerous, displays and claims are harmless, sizes and
+    edges are judged against the base package."""
+    import copy
+
+    base = next(b for b in bases if b.path.stem == "mlp_buckets")
+
+    def verdict(edit):
+        m = copy.deepcopy(base.manifest)
+        edit(m)
+        return fuzz.classify(base, m)
+
+    assert verdict(lambda m: m["graphs"][1]["nodes"][1]["grid"].__setitem__(0, 8))["dangerous"] == ["grid"]
+    assert verdict(lambda m: m["graphs"][0]["nodes"][1]["args"][4].__setitem__("offset", 256))["dangerous"] == ["args"]
+    assert verdict(lambda m: m["kernels"][1].pop("hidden_params"))["dangerous"] == ["kernel ABI"]
+    assert verdict(lambda m: m["graphs"][0]["bucket"].__setitem__("batch", 9))["dangerous"] == ["bucket bounds"]
+    assert verdict(lambda m: m["inputs"][0]["shape"].__setitem__(1, 16))["dangerous"] == ["io"]
+    harmless = [
+        lambda m: m["graphs"][0]["nodes"][1].__setitem__("label", "x"),
+        lambda m: m["graphs"][0]["nodes"][1]["args"][4].__setitem__("nbytes", 4096),   # a claim
+        lambda m: m["kernels"][1].pop("profile_scratch_size"),                        # absent: 0, as it was
+        lambda m: m["kernels"][1].__setitem__("shared", m["kernels"][1]["shared"] + 16),
+        lambda m: m["kernels"][1]["compiled"].__setitem__("shared", 0),               # a record
+        lambda m: m["regions"].__setitem__("arena", m["regions"]["arena"] + 256),      # more memory
+        lambda m: m["graphs"][0]["nodes"][2]["deps"].remove(0),                        # implied by 0 -> 1 -> 2
+        lambda m: m["symbols"][0].__setitem__("max", 80),                             # no graph serves 80
+        lambda m: m.setdefault("model", {}).__setitem__("x", 1),
+        lambda m: m["weights"].reverse(),                                            # looked up by name
+    ]
+    for edit in harmless:
+        assert verdict(edit)["dangerous"] == [], edit
+    assert verdict(lambda m: m["regions"].__setitem__("arena", 256))["dangerous"] == ["sizes"]
+    assert verdict(lambda m: m["graphs"][0]["nodes"][2].__setitem__("deps", [0]))["dangerous"] == ["edges"]
+    assert verdict(lambda m: m["symbols"][0].__setitem__("min", 0))["dangerous"] == ["symbols"]
+    llama = next(b for b in bases if b.path.stem == "llama")   # seq has two sources, a set
+    m = copy.deepcopy(llama.manifest)
+    m["symbols"][0]["sources"].reverse()
+    assert fuzz.classify(llama, m) == {"dangerous": [], "harmless": []}

@@ -376,6 +376,10 @@ class FakeDriver:
         self.registered = []      # (address, nbytes, flags) per cuMemHostRegister
         self.unregistered = []
         self.refuse_register = False
+        # what the "binary" of each kernel reports (cuFuncGetParamInfo, cuFuncGetAttribute), by
+        # kernel name: the parameter sizes and the attributes; a kernel not listed answers like a
+        # driver without cuFuncGetParamInfo (CUDA_ERROR_NOT_SUPPORTED) and with default attributes
+        self.binaries = {}
 
     def __getattr__(self, name):
         return getattr(self._real, name)
@@ -409,6 +413,26 @@ class FakeDriver:
 
     def cuFuncSetAttribute(self, *a): return (self.ok,)
     def cuModuleUnload(self, m): return (self.ok,)
+
+    def cuFuncGetParamInfo(self, f, i):
+        binary = self.binaries.get(self.functions[int(f)])
+        if binary is None or "params" not in binary:
+            return (self._real.CUresult.CUDA_ERROR_NOT_SUPPORTED, 0, 0)
+        sizes = binary["params"]
+        if not 0 <= i < len(sizes):
+            return (self._real.CUresult.CUDA_ERROR_INVALID_VALUE, 0, 0)
+        return (self.ok, 8 * i, sizes[i])
+
+    def cuFuncGetAttribute(self, attr, f):
+        a = self._real.CUfunction_attribute
+        binary = self.binaries.get(self.functions[int(f)], {})
+        if attr == a.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK:
+            return (self.ok, binary.get("max_threads", 1024))
+        if attr == a.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES:
+            return (self.ok, binary.get("static_shared", 0))
+        if attr == a.CU_FUNC_ATTRIBUTE_NUM_REGS:
+            return (self.ok, binary.get("regs", 32))
+        return (self._real.CUresult.CUDA_ERROR_INVALID_VALUE, 0)
 
     # memory
     def cuMemAlloc(self, n):
@@ -510,10 +534,16 @@ def read_params(address: int, n: int) -> list:
     return [ctypes.c_uint64.from_address(p).value for p in pointers]
 
 
+# what the binaries of manifest()'s two kernels report: every parameter 8 bytes, two hidden ones
+BINARIES = {"table_writer": {"params": [8] * (1 + N_WORDS + 2), "max_threads": 32},
+            "k_scale_add": {"params": [8] * (3 + 2), "max_threads": 128}}
+
+
 @pytest.fixture
 def fake(monkeypatch):
     pytest.importorskip("cuda.bindings.driver")
     f = FakeDriver()
+    f.binaries = copy.deepcopy(BINARIES)
     monkeypatch.setattr(driver, "_cu", f)
     return f
 
@@ -630,6 +660,46 @@ def test_load_rejects_an_unknown_instantiate_mode(tmp_path):
     with pytest.raises(ValueError, match=r"instantiate='sometimes': expected one of 'lazy', 'eager'"):
         rt.load(tmp_path / "does-not-matter.grace", instantiate="sometimes")
 
+
+# ---------------------------------------------------------------------------- kernels vs their cubin
+
+def test_load_checks_each_kernel_against_what_its_binary_reports(fake, pkg):
+    """cuFuncGetParamInfo and cuFuncGetAttribute are asked about every kernel (grace.runtime.abi):
+    here the fake's binaries match the manifest, so the load goes through and keeps the answers."""
+    assert [info["params"] for info in pkg.kernel_info] == [BINARIES["table_writer"]["params"],
+                                                            BINARIES["k_scale_add"]["params"]]
+    assert [info["max_threads"] for info in pkg.kernel_info] == [32, 128]
+    assert all(info["params_checked"] for info in pkg.kernel_info)
+
+
+@pytest.mark.parametrize("binary, error, message", [
+    ({"params": [8] * 6}, "KernelMismatchError",
+     r"kernel k_scale_add: its binary takes at least 6 parameters, but the manifest describes 3 "
+     r"\(kernels\[\].params\) \+ 2 hidden \(kernels\[\].hidden_params\) = 5"),
+    ({"params": [8] * 4}, "KernelMismatchError", r"its binary takes 4 parameters, but .* = 5"),
+    ({"params": [8, 4, 8, 8, 8]}, "KernelMismatchError",
+     r"kernel k_scale_add: parameter 1 \(w: \*fp32\) is 4 bytes in its binary, but 8 in the manifest"),
+    ({"params": [8] * 5, "max_threads": 64}, "KernelMismatchError",
+     r"launched with 128 threads per block \(kernels\[\].num_warps = 4\), but its binary allows at most 64"),
+    ({"params": [8] * 5, "static_shared": 232449}, "PackageMismatchError",
+     r"kernel k_scale_add needs 232449 bytes of static and 0 of dynamic shared memory, 232449 in all, "
+     r"but this GPU allows 232448 per block"),
+])
+def test_a_kernel_its_binary_contradicts_is_refused_before_any_graph(fake, tmp_path, binary, error, message):
+    from grace.runtime import errors
+
+    fake.binaries["k_scale_add"] = {"max_threads": 128, **binary}
+    with pytest.raises(getattr(errors, error), match=message):
+        rt.load(write(tmp_path / "m.grace"))
+    assert fake.nodes == [] and fake.graphs == 0   # nothing was built
+
+
+def test_a_driver_without_param_info_skips_that_check(fake, tmp_path):
+    """Before CUDA 12.4 there is no cuFuncGetParamInfo: the attributes are still checked."""
+    del fake.binaries["k_scale_add"]["params"]
+    pkg = rt.load(write(tmp_path / "m.grace"))
+    assert [info["params_checked"] for info in pkg.kernel_info] == [True, False]
+    pkg.close()
 
 def test_run_writes_pointers_into_the_table_writer(fake, pkg):
     sess = pkg.session()

@@ -19,16 +19,23 @@ memory. This fuzzer checks that on mutants of real packages (docs/format-fuzzing
             verify     `grace verify` (tools/cli.py, in-process, --traceback)
             inspect    `grace inspect --json` (every mutant) and its rich tables (every 16th)
             runtime    grace.runtime.load(instantiate="eager") -> session(poison=True) -> one
-                       run() with inputs at their smallest sizes, against FakeDriver (below): no GPU,
-                       nothing launched
+                       run() with inputs at their smallest sizes, and generate() of one token for a
+                       package with a `generate` map, against FakeDriver (below): no GPU, nothing
+                       launched; the driver answers about each kernel from its cubin's ELF
+                       (cubin_functions: parameter sizes, .reqntid, static shared memory)
             interpret  the CPU executor's planning (InterpretSession: regions, state, shapes),
                        no kernel run; needs torch (--interpret)
 
 A finding is any exception that is not one of grace's typed errors (typed_errors()), a mutant that
-takes longer than --timeout seconds (the worker is killed and restarted), a MemoryError under the
-worker's address-space limit (--memory-mb above what the worker uses after warming up), or a
-device access outside an allocation (FakeDriver.violations). Mutants are reproducible: mutant i of
-a run is a function of (--seed, i) alone; `--save DIR` writes the mutants of the findings there.
+takes longer than --timeout seconds of CPU time or WALL_FACTOR times that of wall time (the worker
+is killed and restarted), a MemoryError under the worker's address-space limit (--memory-mb above
+what the worker uses after warming up), or a device access outside an allocation
+(FakeDriver.violations). Mutants are reproducible: mutant i of a run is a function of (--seed, i)
+alone; `--save DIR` writes the mutants of the findings there.
+
+A manifest mutant that every target accepts is classified (`classify`) as harmless or dangerous
+by what it changed against its base package (the rules at _CLASS_RULES, docs/format-fuzzing.md);
+the summary reports the accepted dangerous ones per manifest mutant, the issue's measure.
 
     python -m grace.tools.fuzz --count 20000 --seed 1 --workers 2
     python -m grace.tools.fuzz --package model.grace --count 500 --json
@@ -49,6 +56,7 @@ import io
 import json
 import os
 import random
+import re
 import resource
 import struct
 import sys
@@ -56,6 +64,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from grace.formats.container import FORMAT_VERSION
 
 CLASSES = ("bytes", "truncate", "index", "manifest")
 DEFAULT_TIMEOUT_S = 5.0
@@ -82,10 +92,16 @@ def build_corpus(directory) -> list[Path]:
     paths = []
     for name, build in specs.items():
         path = directory / f"{name}.grace"
-        if not path.exists():
+        if not path.exists() or _version(path) != FORMAT_VERSION:   # a corpus from an older grace
             build(path)
         paths.append(path)
     return paths
+
+
+def _version(path) -> tuple:
+    """(major, minor) of a package file's header."""
+    with open(path, "rb") as f:
+        return struct.unpack("<8sHH", f.read(12))[1:]
 
 
 def _corpus_specs() -> dict:
@@ -144,8 +160,9 @@ class Base:
         self.blob = msgpack.packb(pkg.manifest, use_bin_type=True)   # a fresh copy: unpackb(blob)
         self.sections = [(name, bytes(pkg.section(name)), bytes.fromhex(sha))
                          for name, _, _, sha in pkg.section_info]
-        (_, _, _, _, _, self.index_offset, self.index_nbytes, self.manifest_offset,
+        (_, major, minor, _, _, self.index_offset, self.index_nbytes, self.manifest_offset,
          self.manifest_nbytes, self.section_count, _, _, _) = struct.unpack_from(_HEADER, self.data)
+        self.version = (major, minor)   # mutants keep it: the manifest's format_version says it too
         self.entries = []   # (byte position of the entry in the file, name length)
         pos = self.index_offset
         for _ in range(self.section_count):
@@ -281,17 +298,18 @@ def _mutate_manifest(rng: random.Random, base: Base) -> tuple[str, bytes]:
             blob = msgpack.packb(m, use_bin_type=True)
         except (OverflowError, ValueError, TypeError):
             continue
-        return "; ".join(edits), pack(blob, base.sections)
+        return "; ".join(edits), pack(blob, base.sections, base.version)
     return "no encodable edit", base.data
 
 
-def pack(manifest_blob: bytes, sections) -> bytes:
+def pack(manifest_blob: bytes, sections, version=None) -> bytes:
     """A container around `manifest_blob` with the layout of grace.formats' writer (SPEC §1) and
     every hash valid; `sections` are (name, bytes, sha256) with their digests precomputed, so a
-    manifest mutant costs one sha256 of the manifest (the writer would hash every section)."""
+    manifest mutant costs one sha256 of the manifest (the writer would hash every section).
+    `version`: the header's (major, minor), by default this grace's."""
     import hashlib
 
-    from grace.formats.container import ALIGN, FORMAT_VERSION, MAGIC
+    from grace.formats.container import ALIGN, MAGIC
 
     names = [name.encode() for name, _, _ in sections]
     index_nbytes = sum(50 + len(n) for n in names)
@@ -308,7 +326,7 @@ def pack(manifest_blob: bytes, sections) -> bytes:
     out[128 + index_nbytes:128 + index_nbytes + len(manifest_blob)] = manifest_blob
     for off, (_, data, _) in zip(offsets, sections):
         out[off:off + len(data)] = data
-    struct.pack_into(_HEADER, out, 0, MAGIC, *FORMAT_VERSION, 0, pos, 128, index_nbytes,
+    struct.pack_into(_HEADER, out, 0, MAGIC, *(version or FORMAT_VERSION), 0, pos, 128, index_nbytes,
                      128 + index_nbytes, len(manifest_blob), len(sections), 0,
                      hashlib.sha256(index).digest(), hashlib.sha256(manifest_blob).digest())
     return bytes(out)
@@ -447,6 +465,8 @@ def _edit(rng: random.Random, m: dict, base: Base) -> str:
             new = rng.choice([[], 0, "x", None, [value]])
     else:   # float, bytes
         new = rng.choice([0, "x", None])
+    if type(new) is type(value) and new == value:   # e.g. 0 // 2: change it after all
+        new = value + 1 if isinstance(value, int) and not isinstance(value, bool) else [value]
     container[key] = new
     return f"{where}: {_short(value)} -> {_short(new)}"
 
@@ -454,6 +474,72 @@ def _edit(rng: random.Random, m: dict, base: Base) -> str:
 def _short(v) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ------------------------------------------------------------------------------------ cubins
+
+_EIATTR_KPARAM_INFO, _EIATTR_REQNTID, _EIATTR_MAX_THREADS = 0x17, 0x10, 0x05
+
+
+def cubin_functions(image: bytes) -> dict:
+    """What the CUDA driver would report about each kernel of a cubin, read from the ELF itself:
+    {name: {"params": [size of each parameter, in order], "max_threads": threads per block the
+    binary allows (its .reqntid/.maxntid, else 1024), "reqntid": the exact block it must be
+    launched with (.reqntid, which Triton sets) or None, "static_shared": bytes of its
+    .nv.shared.<name> section}}. For FakeDriver, so that the
+    runtime's cubin checks (grace.runtime.abi) meet the real binaries' answers without a GPU.
+    Raises ValueError for an image that is not a well-formed ELF64 cubin."""
+    data = bytes(image)
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:
+        raise ValueError("not an ELF64 image")
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    if shentsize < 64 or shoff + shnum * shentsize > len(data) or shstrndx >= shnum:
+        raise ValueError("section headers outside the image")
+    sections = []
+    for i in range(shnum):
+        name, typ, _, _, off, size, link, info, _, _ = struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
+        sections.append((name, typ, off, size, link, info))
+    strtab = sections[shstrndx][2]
+
+    def text(at: int) -> str:
+        end = data.find(b"\0", at)
+        return data[at:end if end >= 0 else len(data)].decode("latin-1")
+
+    named = [(text(strtab + s[0]), *s[1:]) for s in sections]
+    kernels: dict = {}
+    for name, typ, off, size, link, info in named:
+        if name.startswith(".text."):
+            kernels.setdefault(name[6:], {"params": {}, "max_threads": 1024, "reqntid": None,
+                                          "static_shared": 0})
+    for name, typ, off, size, link, info in named:
+        if name.startswith(".nv.shared.") and name[11:] in kernels:
+            kernels[name[11:]]["static_shared"] = size
+        if not name.startswith(".nv.info.") or name[9:] not in kernels:
+            continue
+        k, blob, pos = kernels[name[9:]], data[off:off + size], 0
+        while pos + 2 <= len(blob):
+            fmt, attr = blob[pos], blob[pos + 1]
+            if fmt == 4:      # EIFMT_SVAL: u16 size, then the value
+                n, = struct.unpack_from("<H", blob, pos + 2)
+                value, pos = blob[pos + 4:pos + 4 + n], pos + 4 + n
+            elif fmt == 3:    # EIFMT_HVAL: a u16
+                value, pos = blob[pos + 2:pos + 4], pos + 4
+            elif fmt == 2:    # EIFMT_BVAL: a byte
+                value, pos = blob[pos + 2:pos + 3], pos + 3
+            else:             # EIFMT_NVAL: nothing
+                value, pos = b"", pos + 2
+            if attr == _EIATTR_KPARAM_INFO and len(value) >= 12:
+                _, ordinal, _, flags = struct.unpack_from("<IHHI", value)
+                k["params"][ordinal] = (flags >> 18) & 0x3FFF
+            elif attr in (_EIATTR_REQNTID, _EIATTR_MAX_THREADS) and len(value) >= 12:
+                x, y, z = struct.unpack_from("<III", value)
+                k["max_threads"] = min(k["max_threads"], x * y * z)
+                if attr == _EIATTR_REQNTID:
+                    k["reqntid"] = (x, y, z)
+    for k in kernels.values():
+        k["params"] = [k["params"][i] for i in sorted(k["params"])]
+    return kernels
 
 
 # ------------------------------------------------------------------------------------ targets
@@ -495,7 +581,9 @@ class FakeDriver:
         self.device_nbytes = device_nbytes
         self.used = 0
         self.memory = {}      # address -> (buffer, nbytes)
-        self.modules = {}     # module handle -> image bytes
+        self.modules = {}     # module handle -> {kernel name: what its binary reports}
+        self.functions = {}   # function handle -> what its binary reports
+        self.conditionals = []   # the body graphs' handle arrays of the WHILE nodes (kept alive)
         self.violations = []  # what the runtime asked outside its memory
         self._handles = 0x100
 
@@ -524,19 +612,44 @@ class FakeDriver:
             return (self.ok, self.SHARED_OPTIN_MAX)
         return (self.ok, 9 if attr == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR else 0)
 
-    # modules
+    # modules: a cubin's kernels and what the driver would report about each are read from the
+    # ELF itself (cubin_functions); PTX text (the runtime's set_condition kernel) by its entries
     def cuModuleLoadData(self, image):
         image = bytes(image)
-        if not image.startswith(b"\x7fELF"):
-            return (self._err.CUDA_ERROR_INVALID_IMAGE, None)
+        if image.startswith(b".version"):
+            entries = re.findall(rb"\.entry\s+(\w+)\s*\(([^)]*)\)", image)
+            functions = {name.decode(): {"params": [8] * len(re.findall(rb"\.param", params)),
+                                         "max_threads": 1024, "reqntid": None, "static_shared": 0}
+                         for name, params in entries}
+        else:
+            try:
+                functions = cubin_functions(image)
+            except (ValueError, struct.error):
+                return (self._err.CUDA_ERROR_INVALID_IMAGE, None)
         module = self._real.CUmodule(self._handle())
-        self.modules[int(module)] = image
+        self.modules[int(module)] = functions
         return (self.ok, module)
 
     def cuModuleGetFunction(self, module, name):
-        if bytes(name) not in self.modules.get(int(module), b""):
+        info = self.modules.get(int(module), {}).get(bytes(name).decode("latin-1"))
+        if info is None:
             return (self._err.CUDA_ERROR_NOT_FOUND, None)
-        return (self.ok, self._real.CUfunction(self._handle()))
+        function = self._real.CUfunction(self._handle())
+        self.functions[int(function)] = info
+        return (self.ok, function)
+
+    def cuFuncGetParamInfo(self, function, index):
+        sizes = self.functions[int(function)]["params"]
+        if not 0 <= index < len(sizes):
+            return (self._err.CUDA_ERROR_INVALID_VALUE, 0, 0)
+        return (self.ok, 8 * index, sizes[index])
+
+    def cuFuncGetAttribute(self, attr, function):
+        info, a = self.functions[int(function)], self._real.CUfunction_attribute
+        value = {a.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK: info["max_threads"],
+                 a.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: info["static_shared"],
+                 a.CU_FUNC_ATTRIBUTE_NUM_REGS: 32}.get(attr)
+        return (self._err.CUDA_ERROR_INVALID_VALUE, 0) if value is None else (self.ok, value)
 
     def cuFuncSetAttribute(self, function, attr, value):
         if not -2**31 <= value < 2**31:
@@ -618,8 +731,24 @@ class FakeDriver:
     def cuGraphCreate(self, flags): return (self.ok, self._real.CUgraph(self._handle()))
 
     def cuGraphAddKernelNode(self, g, deps, n, p):
-        if n != len(deps) or p.blockDimX > 1024:
+        info = self.functions.get(int(p.func))
+        block = (p.blockDimX, p.blockDimY, p.blockDimZ)
+        if n != len(deps) or info is None or block[0] * block[1] * block[2] > info["max_threads"] \
+                or (info["reqntid"] is not None and block != info["reqntid"]):
+            return (self._err.CUDA_ERROR_INVALID_VALUE, None)   # a real GPU: at the launch
+        return (self.ok, self._real.CUgraphNode(self._handle()))
+
+    def cuGraphConditionalHandleCreate(self, g, ctx, default, flags):
+        return (self.ok, self._real.CUgraphConditionalHandle(self._handle()))
+
+    def cuGraphAddNode(self, g, deps, edge_data, n, p):
+        """A WHILE conditional node: its body graph is returned through phGraph_out, as the
+        driver does (the array belongs to the driver, so the fake keeps it alive)."""
+        if n != len(deps) or p.type != self._real.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL:
             return (self._err.CUDA_ERROR_INVALID_VALUE, None)
+        body = (ctypes.c_uint64 * 1)(self._handle())
+        self.conditionals.append(body)
+        ctypes.c_uint64.from_address(p.conditional.getPtr() + 16).value = ctypes.addressof(body)
         return (self.ok, self._real.CUgraphNode(self._handle()))
 
     def cuGraphAddDependencies(self, g, from_, to, edges, n): return (self.ok,)
@@ -650,23 +779,34 @@ def _smallest_inputs(view) -> list:
 
 
 def _stage_runtime(path: str, fake: FakeDriver) -> None:
-    """load (eager) -> session (poison) -> run() at the smallest input sizes, on FakeDriver."""
+    """load (eager) -> session (poison) -> run() at the smallest input sizes, and for a package
+    with a `generate` map generate() of one token after the shortest prompt (its WHILE-loop
+    graph, the runtime's PTX set_condition kernel), on FakeDriver. The driver module the runtime
+    uses is restored afterwards (a test may call this in its own process)."""
+    import numpy as np
+
     import grace.runtime as rt
     from grace.runtime import driver
     from grace.runtime.arrays import DeviceArray
 
-    driver._cu = fake
-    pkg = rt.load(path, instantiate="eager")
+    previous, driver._cu = driver._cu, fake
     try:
-        session = pkg.session(poison=True)
-        scratch = driver.mem_alloc(256)   # inputs are device arrays: nothing reads them here
-        inputs = [DeviceArray(scratch, shape, spec.dtype, 0)
-                  for spec, shape in zip(pkg.inputs, _smallest_inputs(pkg.view))]
-        session.run(*inputs)
-        session.close()
-        driver.mem_free(scratch)
+        pkg = rt.load(path, instantiate="eager")
+        try:
+            session = pkg.session(poison=True)
+            scratch = driver.mem_alloc(256)   # inputs are device arrays: nothing reads them here
+            inputs = [DeviceArray(scratch, shape, spec.dtype, 0)
+                      for spec, shape in zip(pkg.inputs, _smallest_inputs(pkg.view))]
+            session.run(*inputs)
+            if pkg.generate is not None:
+                shortest = max(pkg.generate.prompt_limit[0], 1)
+                session.generate(np.zeros(shortest, np.int64), max_new_tokens=1)
+            session.close()
+            driver.mem_free(scratch)
+        finally:
+            pkg.close()
     finally:
-        pkg.close()
+        driver._cu = previous
 
 
 def _stage_interpret(path: str) -> None:
@@ -752,6 +892,289 @@ def _where(e: BaseException) -> str:
     return f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} in {f.name}" if f else "?"
 
 
+# ------------------------------------------------------------------------------------ classifying
+
+# A manifest mutant that every target accepted is *dangerous* when it changes something the runtime
+# or the CPU executor acts on (which kernel runs, with which pointers, words, grid, block, shared
+# memory, hidden parameters, in which order; what is allocated, uploaded and initialised; which
+# inputs are accepted and which graph serves them; where table words are written and the error word
+# is read; the generate loop), and *harmless* when it only changes what is displayed (names, labels,
+# stats, options) or a claim that only the checks read (an argument's nbytes and dtype, a kernel's
+# `writes`, the compiler's records): a claim changes nothing that runs. Two kinds of field are judged
+# against the base package instead of by their name alone (docs/format-fuzzing.md, "Classifying"):
+#   sizes   a region, a graph's arena, the table's bytes: dangerous only when below what the base
+#           package's nodes touch there (more memory is harmless)
+#   edges   deps and programmatic deps: dangerous only when the base package's own accesses (its
+#           kernels' `writes`, its argument ranges) are no longer ordered, i.e. tools/races.py finds
+#           a race in the base package with the mutant's edges, or a programmatic edge now targets a
+#           kernel that does not wait (an added edge, or a redundant one removed, is harmless)
+# A mutant is dangerous when one of its changes is. Anything not listed is an unknown key, which
+# every reader ignores (SPEC §3): harmless.
+_NODE = r"(graphs\[\]\.nodes\[\]|generate\.step)"
+_CLASS_RULES = [   # (regex over the generalised path, category, verdict); the first match wins
+    (r"(format_version|producer|model|options|arena_buffers)\b.*", "informative", "harmless"),
+    (r"(kernels|graphs)\[\]\.compiled\b.*", "compiler records", "harmless"),
+    (r"kernels\[\]\.(num_stages|family|source_sha256)", "informative", "harmless"),
+    (r"kernels\[\]\.writes\b.*", "claims", "harmless"),
+    (r"kernels\[\]\.params\[\]\.name", "informative", "harmless"),
+    (r"kernels\[\]\.params(\[\](\.type)?)?", "kernel ABI", "dangerous"),
+    (r"kernels\[\]\.hidden_params", "kernel ABI", "hidden"),
+    (r"kernels\[\]\.(global_scratch_size|profile_scratch_size)", "kernel ABI", "default0"),
+    (r"kernels\[\]\.shared", "kernel ABI", "lowered"),
+    (r"kernels\[\]\.(name|num_warps)", "kernel ABI", "dangerous"),
+    (r"kernels\[\]\.source", "kernel binary", "source"),
+    (r"kernels\[\]\.binaries\b.*", "kernel binary", "dangerous"),
+    (r"kernels(\[\])?", "kernels", "dangerous"),
+    (_NODE + r"\.(deps|programmatic)\b.*", "edges", "edges"),
+    (_NODE + r"\.kernel", "node kernel", "dangerous"),
+    (_NODE + r"\.grid\b.*", "grid", "dangerous"),
+    (_NODE + r"\.args\[\]\.(nbytes|dtype)", "claims", "harmless"),
+    (_NODE + r"\.args\[\]\.(region|offset|word)", "args", "arg"),
+    (_NODE + r"\.args(\[\])?", "args", "dangerous"),
+    (_NODE + r"\.label", "informative", "harmless"),
+    (r"graphs\[\]\.nodes(\[\])?", "nodes", "dangerous"),
+    (r"generate\.step", "generate", "dangerous"),
+    (r"graphs\[\]\.bucket\b.*", "bucket bounds", "dangerous"),
+    (r"graphs\[\]\.arena", "sizes", "size"),
+    (r"graphs\[\]\.(name|stats)\b.*", "informative", "harmless"),
+    (r"graphs(\[\])?", "graphs", "dangerous"),
+    (r"regions\.(weights|arena|table|state)", "sizes", "size"),
+    (r"regions", "regions", "dangerous"),
+    (r"table\.nbytes", "sizes", "size"),
+    (r"table\.slots\[\]\.name", "informative", "harmless"),
+    (r"table\.slots(\[\](\.(offset|rank|role))?)?", "table layout", "dangerous"),
+    (r"table\.extents\.offset", "table layout", "extents"),
+    (r"table\.extents(\.count)?", "table layout", "dangerous"),
+    (r"table\.errors(\.offset)?", "table layout", "dangerous"),
+    (r"table", "table layout", "dangerous"),
+    (r"(inputs|outputs)\[\]\.name", "informative", "harmless"),
+    (r"(inputs|outputs)\[\]\.(dtype|slot|shape\b.*)", "io", "dangerous"),
+    (r"(inputs|outputs)(\[\])?", "io", "dangerous"),
+    (r"symbols\[\]\.max", "symbols", "harmless"),
+    (r"symbols\[\]\.min", "symbols", "lowered"),
+    (r"symbols\[\]\.(name|kind|sources\b.*)", "symbols", "dangerous"),
+    (r"symbols(\[\])?", "symbols", "dangerous"),
+    (r"state\[\]\.name", "state", "state-name"),
+    (r"(weights|state)\[\]\.(name|dtype|offset|nbytes|shape\b.*)", "weights and state", "dangerous"),
+    (r"state\[\]\.init", "weights and state", "dangerous"),
+    (r"(weights|state)(\[\])?", "weights and state", "dangerous"),
+    (r"generate\.(tokens|positions|logits|capacity|decode_graph|ctrl|out_tokens|next_token|"
+     r"next_position)", "generate", "dangerous"),
+    (r"generate", "generate", "dangerous"),
+    (r"index_checks\[\]\.(code|input|op|where|size\b.*)", "informative", "harmless"),
+    (r"index_checks(\[\])?", "index checks", "dangerous"),
+]
+_CLASS_RULES = [(re.compile(p), cat, verdict) for p, cat, verdict in _CLASS_RULES]
+
+
+def manifest_changes(base, mutant) -> list[tuple]:
+    """The paths (tuples of keys and indices) where `mutant` differs from `base`: a key added or
+    removed, a value or type changed, or a list whose length changed (the list's own path; its
+    entries are not compared then). Cheap on bombs: a list of 2**21 maps is one changed path."""
+    out = []
+    stack = [(base, mutant, ())]
+    while stack:
+        a, b, path = stack.pop()
+        if type(a) is not type(b):
+            out.append(path)
+        elif isinstance(a, dict):
+            for k in a.keys() | b.keys():
+                if k not in a or k not in b:
+                    out.append(path + (k,))
+                else:
+                    stack.append((a[k], b[k], path + (k,)))
+        elif isinstance(a, list):
+            if len(a) != len(b):
+                out.append(path)
+            else:
+                stack.extend((x, y, path + (i,)) for i, (x, y) in enumerate(zip(a, b)))
+        elif a != b:
+            out.append(path)
+    return out
+
+
+def _by_name(m):
+    """`m` with the lists whose order means nothing in a canonical order (a shallow copy): weights
+    and state entries by name (they are looked up by name), each symbol's sources (a set: every
+    source must agree). Lists of other shapes stay as they are."""
+    if not isinstance(m, dict):
+        return m
+    out = dict(m)
+    for key in ("weights", "state"):
+        entries = m.get(key)
+        if isinstance(entries, list) and all(isinstance(e, dict) and isinstance(e.get("name"), str)
+                                             for e in entries):
+            out[key] = sorted(entries, key=lambda e: e["name"])
+    symbols = m.get("symbols")
+    if isinstance(symbols, list):
+        out["symbols"] = [_sorted_sources(s) for s in symbols]
+    return out
+
+
+def _sorted_sources(symbol):
+    sources = symbol.get("sources") if isinstance(symbol, dict) else None
+    if not isinstance(sources, list) or not all(
+            isinstance(p, list) and all(isinstance(x, int) for x in p) for p in sources):
+        return symbol
+    return {**symbol, "sources": sorted(sources)}
+
+
+def _general(path: tuple) -> str:
+    """("graphs", 0, "nodes", 5, "deps") -> "graphs[].nodes[].deps"."""
+    text = ""
+    for k in path:
+        text += "[]" if isinstance(k, int) else (f".{k}" if text else str(k))
+    return text
+
+
+def classify(base: "Base", mutant_manifest: dict) -> dict:
+    """{"dangerous": sorted categories, "harmless": sorted categories} of an accepted mutant's
+    changes against its base package (the rules above)."""
+    dangerous, harmless = set(), set()
+    edges = sizes = False
+    for path in manifest_changes(_by_name(base.manifest), _by_name(mutant_manifest)):
+        general = _general(path)
+        for pattern, category, verdict in _CLASS_RULES:
+            if pattern.fullmatch(general):
+                break
+        else:
+            category, verdict = "unknown key", "harmless"
+        if verdict == "edges":
+            edges = True
+        elif verdict == "size":
+            sizes = True
+        else:
+            if verdict in _JUDGED:
+                verdict = "dangerous" if _JUDGED[verdict](base.manifest, mutant_manifest, path) else "harmless"
+            (dangerous if verdict == "dangerous" else harmless).add(category)
+    if edges:
+        (dangerous if _edges_lose_order(base, mutant_manifest) else harmless).add("edges")
+    if sizes:
+        (dangerous if _sizes_shrink(base, mutant_manifest) else harmless).add("sizes")
+    return {"dangerous": sorted(dangerous), "harmless": sorted(harmless)}
+
+
+def _at(m, path: tuple, default=None):
+    """The value at `path` in m, `default` where the path does not exist."""
+    for k in path:
+        try:
+            m = m[k]
+        except (KeyError, IndexError, TypeError):
+            return default
+    return m
+
+
+_MISSING = object()
+
+
+def _default0(base: dict, m: dict, path: tuple) -> bool:
+    """hidden_params and the scratch sizes: absent means 0 (SPEC §3); dangerous iff the value the
+    runtime uses changed."""
+    return _at(base, path, 0) != _at(m, path, 0)
+
+
+def _hidden(base: dict, m: dict, path: tuple) -> bool:
+    """hidden_params (absent: 0): fewer than the binary takes and the driver reads past the
+    parameter block; more, and it copies only the parameters the function has (harmless)."""
+    old, new = _at(base, path, 0), _at(m, path, 0)
+    return not (isinstance(new, int) and not isinstance(new, bool) and new >= old)
+
+
+def _lowered(base: dict, m: dict, path: tuple) -> bool:
+    """A kernel's shared memory or a symbol's min: more shared memory or a higher minimum is
+    harmless (a block reserves more, fewer sizes are served); a lower value is dangerous."""
+    old, new = _at(base, path, _MISSING), _at(m, path, _MISSING)
+    return not (isinstance(old, int) and isinstance(new, int) and not isinstance(new, bool) and new >= old)
+
+
+def _state_name(base: dict, m: dict, path: tuple) -> bool:
+    """Renaming a zero-initialised state entry only changes the key read_state() returns; a `data`
+    entry's name picks the tensor it is initialised from."""
+    return _at(base, path[:-1] + ("init",)) != "zeros"
+
+
+def _source(base: dict, m: dict, path: tuple) -> bool:
+    """Only the CPU executor and `grace verify` read a kernel's source: without one the executor
+    refuses to run the kernel (harmless); another kernel's source would run the wrong code."""
+    return _at(m, path, _MISSING) is not _MISSING
+
+
+def _arg(base: dict, m: dict, path: tuple) -> bool:
+    """A node argument's region, offset or word. A table-word argument is its `word` alone: any
+    other key of it is unknown to every reader (SPEC §3) unless it makes the argument a region
+    range, which the validator refuses."""
+    old = _at(base, path[:-1])
+    return not (isinstance(old, dict) and "word" in old and path[-1] != "word")
+
+
+def _extents(base: dict, m: dict, path: tuple) -> bool:
+    """Where the extents words are matters only when there are some (one per symbol)."""
+    return bool(base["symbols"])
+
+
+_JUDGED = {"default0": _default0, "lowered": _lowered, "state-name": _state_name, "source": _source,
+           "extents": _extents, "arg": _arg, "hidden": _hidden}
+
+
+def _edges_lose_order(base: "Base", m: dict) -> bool:
+    """The base package with the mutant's deps and programmatic deps: does tools/races.py find a
+    race, or a programmatic edge into a kernel that does not wait first?"""
+    from grace.tools import races
+
+    hybrid = copy.deepcopy(base.manifest)
+    try:
+        for g, graph in enumerate(hybrid["graphs"]):
+            nodes = m["graphs"][g]["nodes"]
+            if len(nodes) != len(graph["nodes"]):
+                return True   # the nodes changed too: "nodes" already calls it dangerous
+            for node, other in zip(graph["nodes"], nodes):
+                node["deps"] = list(other["deps"])
+                node.pop("programmatic", None)
+                if other.get("programmatic"):
+                    node["programmatic"] = list(other["programmatic"])
+        sections = {name: data for name, data, _ in base.sections}
+        shim = type("Shim", (), {"manifest": hybrid, "section": staticmethod(sections.__getitem__)})
+        return bool(races.check_races(hybrid) or races.check_pre_wait(shim))
+    except (KeyError, IndexError, TypeError):
+        return True
+
+
+def _touched(m: dict) -> dict:
+    """What the base package's nodes (and its weights and state entries) reach, per size field:
+    {("regions", r): end, ("graphs", g): arena end}."""
+    ends: dict = {}
+
+    def reach(key, end):
+        ends[key] = max(ends.get(key, 0), end)
+
+    nodes = [(g, n) for g, graph in enumerate(m["graphs"]) for n in graph["nodes"]]
+    if "generate" in m:
+        nodes.append((None, m["generate"]["step"]))
+    for g, node in nodes:
+        for arg in node["args"]:
+            if "region" in arg:
+                end = arg["offset"] + arg["nbytes"]
+                reach(("regions", arg["region"]), end)
+                if arg["region"] == "arena" and g is not None:
+                    reach(("graphs", g), end)
+    for key in ("weights", "state"):
+        for e in m[key]:
+            reach(("regions", key), e["offset"] + e["nbytes"])
+    return ends
+
+
+def _sizes_shrink(base: "Base", m: dict) -> bool:
+    """A region, a graph's arena or the table's bytes below what the base package touches there."""
+    try:
+        for (kind, key), end in _touched(base.manifest).items():
+            value = m["regions"][key] if kind == "regions" else m["graphs"][key]["arena"]
+            if not isinstance(value, int) or value < end:
+                return True
+        return not isinstance(m["table"]["nbytes"], int) or m["table"]["nbytes"] < _touched(base.manifest).get(("regions", "table"), 0)
+    except (KeyError, IndexError, TypeError):
+        return True
+
+
 # ------------------------------------------------------------------------------------ workers
 
 def _worker(conn, paths: list[str], seed: int, stages: tuple, memory_mb: int, workdir: str) -> None:
@@ -779,9 +1202,23 @@ def _worker(conn, paths: list[str], seed: int, stages: tuple, memory_mb: int, wo
             result = run_mutant(target, stages, render=i % RENDER_EVERY == 0)
         except MemoryError as e:          # outside a stage (building the message, ...)
             result = {"outcome": "finding", "kind": "memory", "stage": "?", "error": repr(e), "where": ""}
+        if cls == "manifest":
+            result["edits_records"] = ".compiled" in what   # the edit's path names a record
+            if result["outcome"] == "accepted":
+                result.update(classify(next(b for b in bases if b.path.stem == base), _manifest_of(data)))
         result.update(i=i, cls=cls, base=base, what=what, seconds=round(time.perf_counter() - t0, 4),
                       rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
         conn.send(result)
+
+
+def _manifest_of(data: bytes) -> dict:
+    """The decoded manifest of a package that read_package accepted."""
+    import msgpack
+
+    from grace.formats.container import parse_container
+
+    blob = parse_container(memoryview(data), verify=False).manifest_blob
+    return msgpack.unpackb(bytes(blob), raw=False, strict_map_key=False)
 
 
 def _address_space() -> int:
@@ -789,9 +1226,24 @@ def _address_space() -> int:
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
+WALL_FACTOR = 4   # a mutant may take this many times --timeout of wall time (a loaded machine)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) process `pid` has used so far; 0.0 where /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class _Pool:
     """Worker processes with one mutant in flight each; a mutant past the timeout kills its worker
-    (a hang finding) and a fresh worker takes its place."""
+    (a hang finding) and a fresh worker takes its place. The timeout counts the worker's CPU time,
+    so that a machine shared with other jobs does not turn slow mutants into hangs; a mutant that
+    waits without computing is caught by the wall clock at WALL_FACTOR times the timeout."""
 
     def __init__(self, n: int, args: tuple):
         import multiprocessing as mp
@@ -807,7 +1259,7 @@ class _Pool:
         child.close()
         if not parent.poll(600) or parent.recv() != "ready":
             raise RuntimeError("a fuzz worker did not start")
-        return {"proc": proc, "conn": parent, "job": None, "since": 0.0}
+        return {"proc": proc, "conn": parent, "job": None, "since": 0.0, "cpu": 0.0}
 
     def run(self, indices, timeout: float, on_result) -> None:
         from multiprocessing.connection import wait
@@ -817,6 +1269,7 @@ class _Pool:
             for w in self.workers:
                 if w["job"] is None and pending:
                     w["job"], w["since"] = pending.pop(), time.monotonic()
+                    w["cpu"] = _cpu_seconds(w["proc"].pid)
                     w["conn"].send(w["job"])
             busy = [w for w in self.workers if w["job"] is not None]
             ready = wait([w["conn"] for w in busy], timeout=0.2)
@@ -829,8 +1282,10 @@ class _Pool:
                         continue
                     w["job"] = None
                     on_result(result)
-                elif time.monotonic() - w["since"] > timeout:
-                    on_result(self._dead(w, f"no result after {timeout:.0f} s"))
+                elif _cpu_seconds(w["proc"].pid) - w["cpu"] > timeout:
+                    on_result(self._dead(w, f"no result after {timeout:g} s of CPU time"))
+                elif time.monotonic() - w["since"] > WALL_FACTOR * timeout:
+                    on_result(self._dead(w, f"no result after {WALL_FACTOR * timeout:g} s"))
 
     def _dead(self, w, why: str) -> dict:
         i = w["job"]
@@ -882,8 +1337,9 @@ def summarize(results: list[dict], paths, seed: int, stages) -> dict:
     findings themselves, each with what mutant it was."""
     bases = [Base(p) for p in paths]
     per_class = {c: {"mutants": 0, "rejected": {}, "accepted": 0, "findings": 0} for c in CLASSES}
+    per_class["manifest"].update(dangerous=0, without_record_edits=0, dangerous_without_record_edits=0)
     stage_seconds = {s: 0.0 for s in ("read", *stages)}
-    findings = []
+    findings, dangerous, categories = [], [], {}
     for r in sorted(results, key=lambda r: r["i"]):
         for stage, seconds in r.get("stages", {}).items():
             stage_seconds[stage] += seconds
@@ -891,10 +1347,19 @@ def summarize(results: list[dict], paths, seed: int, stages) -> dict:
             r["cls"], r["base"], r["what"], _ = mutant(bases, seed, r["i"])
         c = per_class[r["cls"]]
         c["mutants"] += 1
+        clean = r["cls"] == "manifest" and not r.get("edits_records")
+        if clean:
+            c["without_record_edits"] += 1
         if r["outcome"] == "rejected":
             c["rejected"][r["first"]] = c["rejected"].get(r["first"], 0) + 1
         elif r["outcome"] == "accepted":
             c["accepted"] += 1
+            for cat in r.get("dangerous", ()):
+                categories[cat] = categories.get(cat, 0) + 1
+            if r.get("dangerous"):
+                c["dangerous"] += 1
+                c["dangerous_without_record_edits"] += clean
+                dangerous.append({k: r.get(k) for k in ("i", "base", "what", "dangerous")})
         else:
             c["findings"] += 1
             findings.append({k: r.get(k) for k in ("i", "cls", "base", "what", "kind", "stage", "error", "where")})
@@ -905,7 +1370,19 @@ def summarize(results: list[dict], paths, seed: int, stages) -> dict:
             "stage_seconds": {k: round(v, 2) for k, v in stage_seconds.items()},
             "slowest": [{"i": r["i"], "seconds": r["seconds"], "what": r["what"]} for r in slowest],
             "worker_peak_rss_mb": max((r.get("rss_mb", 0) for r in timed), default=0),
-            "findings": findings}
+            "findings": findings, "dangerous_rate": _rate(per_class["manifest"]),
+            "dangerous_rate_without_record_edits": _rate(per_class["manifest"], "without_record_edits"),
+            "dangerous_categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
+            "accepted_dangerous": dangerous}
+
+
+def _rate(c: dict, key: str = "") -> float:
+    """Accepted dangerous manifest mutants per manifest mutant (the issue's measure); with key
+    "without_record_edits": among the mutants whose edits leave the compiler's records alone (a
+    record edit is harmless when accepted, so records would otherwise dilute the rate)."""
+    if key:
+        return c[f"dangerous_{key}"] / c[key] if c[key] else 0.0
+    return c["dangerous"] / c["mutants"] if c["mutants"] else 0.0
 
 
 def save_findings(summary: dict, paths, directory) -> None:
@@ -933,6 +1410,14 @@ def format_summary(s: dict) -> str:
     if s.get("slowest"):
         lines.append(f"  slowest mutant {s['slowest'][0]['seconds']} s (#{s['slowest'][0]['i']}: "
                      f"{s['slowest'][0]['what'][:80]}); worker peak RSS {s.get('worker_peak_rss_mb')} MB")
+    m = s["classes"]["manifest"]
+    lines.append(f"accepted dangerous manifest mutants: {m.get('dangerous', 0)} of {m['mutants']} "
+                 f"({100 * s.get('dangerous_rate', 0):.2f}%); {m.get('dangerous_without_record_edits', 0)} "
+                 f"of the {m.get('without_record_edits', 0)} that edit no record "
+                 f"({100 * s.get('dangerous_rate_without_record_edits', 0):.2f}%)"
+                 + "".join(f"; {k} {v}" for k, v in s.get("dangerous_categories", {}).items()))
+    for d in s.get("accepted_dangerous", [])[:20]:
+        lines.append(f"  #{d['i']} {d['base']} [{', '.join(d['dangerous'])}] {d['what'][:150]}")
     lines.append(f"findings: {len(s['findings'])}")
     for f in s["findings"][:50]:
         lines.append(f"  #{f['i']} {f['cls']}/{f['base']} [{f['kind']} in {f['stage']}] {f['error']} "
@@ -956,7 +1441,8 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
                    help="worker processes (default: 2)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help=f"seconds per mutant before it counts as a hang (default {DEFAULT_TIMEOUT_S:g})")
+                   help=f"CPU seconds per mutant before it counts as a hang, {WALL_FACTOR}x that of wall "
+                        f"time (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--memory-mb", type=int, default=DEFAULT_MEMORY_MB,
                    help=f"address space a worker may add while running a mutant (default {DEFAULT_MEMORY_MB})")
     p.add_argument("--interpret", action="store_true",
