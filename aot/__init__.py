@@ -11,6 +11,8 @@ The pipeline, one module per stage (read them in this order):
     build.py    Triton source -> cubin per arch (cached, parallel)
     package.py  manifest + sections -> .grace (written by grace.formats)
     check.py    `grace check`: every op the stages above cannot lower, at once, nothing built
+    backend.py  `torch.compile(model, backend="grace")`: each Dynamo graph through the stages above
+    versions.py the torch/triton versions the compiler is pinned to (a warning for others)
 
 `grace.aot.check` is the function (check.check); the module's other names import from
 grace.aot.check as usual (`from grace.aot.check import user_frame`).
@@ -19,5 +21,12 @@ from __future__ import annotations
 
 from .compiler import CompileOptions, compile, compile_program  # noqa: A004
 from .check import CheckReport, check  # noqa: E402  (the function shadows the module's name)
+from .versions import ProducerVersionWarning  # noqa: E402
+from . import backend as _backend  # noqa: E402
 
-__all__ = ["compile", "compile_program", "CompileOptions", "check", "CheckReport"]
+# backend="grace" for torch.compile once grace.aot is imported (the torch_dynamo_backends entry
+# point in pyproject.toml also finds it without the import)
+_backend.register()
+
+__all__ = ["compile", "compile_program", "CompileOptions", "check", "CheckReport",
+           "ProducerVersionWarning"]

@@ -266,12 +266,15 @@ class _CollectingLowering(lower.Lowering):
 # ---- the check -------------------------------------------------------------------------------------
 
 
-def check(program, example_inputs=None, *, dynamic_shapes=None, buckets=None, generate=None,
-          name=None, codegen: bool = True) -> CheckReport:
-    """Every op of `program` (an ExportedProgram, or an nn.Module with `example_inputs`) that
-    cannot be compiled, each op once, with its count and the user's source lines. Nothing is
-    built. `buckets` / `generate` as for `grace.aot.compile` (they change what gets lowered);
-    `codegen=False` stops after the memory plan (Triton source generation is skipped)."""
+def check(program, example_inputs=None, *, kwargs=None, dynamic_shapes=None, buckets=None,
+          generate=None, name=None, codegen: bool = True) -> CheckReport:
+    """Every op of `program` (an ExportedProgram, or an nn.Module with `example_inputs` and/or
+    `kwargs`) that cannot be compiled, each op once, with its count and the user's source lines.
+    Nothing is built. The example inputs are exported as `grace.aot.compile` exports them:
+    `example_inputs` positionally, `kwargs` by keyword, a `None` argument is no input, so the
+    check sees the program the compile would lower. `buckets` / `generate` as for
+    `grace.aot.compile` (they change what gets lowered); `codegen=False` stops after the memory
+    plan (Triton source generation is skipped)."""
     from .compiler import CompileOptions, _dim_names, decompose
 
     t0 = time.perf_counter()
@@ -279,11 +282,11 @@ def check(program, example_inputs=None, *, dynamic_shapes=None, buckets=None, ge
     options = CompileOptions(generate=tuple((generate or {}).items())).recorded()
     dim_names = None
     if isinstance(program, torch.nn.Module):
-        if example_inputs is None:
-            raise ValueError("example_inputs are required to export an nn.Module")
+        if example_inputs is None and not kwargs:
+            raise ValueError("example_inputs (or kwargs) are required to export an nn.Module")
         name = name or type(program).__name__
-        dim_names = _dim_names(program, example_inputs, dynamic_shapes)
-        program = export.export_model(program, example_inputs, dynamic_shapes)
+        dim_names = _dim_names(program, example_inputs, dynamic_shapes, kwargs)
+        program = export.export_model(program, example_inputs, dynamic_shapes, kwargs)
     elif not isinstance(program, torch.export.ExportedProgram):
         raise TypeError(f"expected an nn.Module or torch.export.ExportedProgram, "
                         f"got {type(program).__name__}")

@@ -48,6 +48,27 @@ def test_dynamic_workload_and_its_options():
     assert args.precision == "tf32"
 
 
+def test_backend_ab_is_off_by_default_and_a_flag():
+    assert B.parse_args([]).backend_ab is False and B.parse_args([]).pdl_ab is False
+    args = B.parse_args(["--backend-ab", "--models", "gpt2_6l,bert_base_dyn", "--buckets", "seq=64,512",
+                         "--fp32-matmul", "tf32,ieee"])
+    assert args.backend_ab and args.static == ["gpt2_6l"] and args.dynamic == ["bert_base_dyn"]
+    # the grace contender's precision; the dynamic workload's seq buckets under Dynamo's dim name
+    assert B.backend_options(args.precision, args.buckets) == {
+        "fp32_matmul": "tf32", "buckets": {"input_ids.1": [64, 512]}}
+    assert B.backend_options("tf32x3") == {"fp32_matmul": "tf32x3"}
+    assert "--backend-ab" in B.build_parser().format_help()
+
+
+def test_backend_options_are_valid_backend_options():
+    """What the benchmark passes is what the backend accepts (its own option parser)."""
+    pytest.importorskip("torch")
+    from grace.aot.backend import BackendOptions
+
+    opts = BackendOptions.parse(B.backend_options("ieee", {"seq": [16, 512]}))
+    assert opts.fp32_matmul == "ieee" and opts.buckets == (("input_ids.1", (16, 512)),)
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--models", "bert_large"], ["unknown workload bert_large", "bert_base_dyn"]),
     (["--models", ","], ["--models"]),
@@ -70,7 +91,7 @@ def test_bad_arguments_are_usage_errors(argv, words, capsys):
 # ---- package summary and tables ----------------------------------------------------------------
 
 
-def test_grace_graphs_reads_manifest_2_and_1():
+def test_grace_graphs_reads_the_manifest():
     manifest = {"graphs": [
         {"name": "seq=64", "bucket": {"seq": 64}, "stats": {"kernels": 90}, "arena": 1 << 20,
          "nodes": []},
@@ -80,9 +101,6 @@ def test_grace_graphs_reads_manifest_2_and_1():
         {"name": "seq=64", "bucket": {"seq": 64}, "kernels": 90, "arena": 1 << 20},
         {"name": "seq=512", "bucket": {"seq": 512}, "kernels": 92, "arena": 8 << 20},
     ]
-    # a 1.x package: one graph, no bucket, no per-graph arena
-    assert B._grace_graphs({"graphs": [{"name": "main", "stats": {"kernels": 3}}]}) == [
-        {"name": "main", "bucket": {}, "kernels": 3, "arena": None}]
 
 
 def _dynamic_result():
@@ -137,6 +155,35 @@ def test_dynamic_table_when_grace_failed():
     del res["stream"]["grace"]
     text = B.format_dynamic_table(res)
     assert "grace graphs" not in text and "error grace: LoweringError: no" in text
+
+
+def test_static_table_has_a_backend_column():
+    notes = {"grace_kernels": 51, "grace_run_host_us": 19.0, "grace_rel_err_vs_eager_tf32": 7.5e-4}
+    results = [{"model": "vit_s", "ms": {"eager": 4.0, "torch.compile": 2.0, "reduce-overhead": 0.8,
+                                         "grace": 0.5, "grace-backend": 0.55},
+                "notes": notes, "ratio_grace_over_reduce_overhead": 0.625},
+               {"model": "gpt2_6l", "ms": {"eager": 3.0, "torch.compile": 1.4, "reduce-overhead": 0.4,
+                                           "grace": 0.42},
+                "notes": notes, "ratio_grace_over_reduce_overhead": 1.05}]
+    head, row, other = B.format_static_table(results).splitlines()
+    assert head.split()[4:6] == ["grace", "grace-backend"]
+    assert row.split()[4:6] == ["0.500", "0.550"]
+    assert other.split()[4:6] == ["0.420", "nan"]   # not timed for that model
+
+
+def test_dynamic_table_has_a_backend_column():
+    res = _dynamic_result()
+    res["stream"]["grace-backend"] = {"cold_ms_per_call": 900.0, "warm_ms_per_call": 1.9,
+                                      "built_cold": {"dynamo_graphs": 3, "cudagraph_recordings": 0},
+                                      "built_warm": {"dynamo_graphs": 0, "cudagraph_recordings": 0}}
+    res["ms"]["100"]["grace-backend"] = 1.8
+    lines = B.format_dynamic_table(res).splitlines()
+    assert lines[1].split()[-1] == "grace-backend"
+    row = {ln.split()[0] + ln.split()[1]: ln.split()[2:] for ln in lines
+           if ln.startswith(("seq ", "stream "))}
+    assert row["seq100"][-1] == "1.800" and row["seq129"][-1] == "-"
+    assert row["streamcold"][-1] == "900.000" and row["streamwarm"][-1] == "1.900"
+    assert any(ln.startswith("grace-backend: built by the cold pass: 3 dynamo graphs") for ln in lines)
 
 
 def test_static_table_keeps_its_columns():

@@ -278,6 +278,46 @@ def test_check_takes_an_nn_module():
         grace_check("model.pt2")
 
 
+class _Keywords(nn.Module):
+    """An unsupported op (cosh) on a path only a keyword argument takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None, gate=None):
+        h = self.proj(x)
+        if mask is not None:
+            h = h * mask
+        if gate is not None:
+            h = h * torch.cosh(gate)  # LINE_GATE
+        return h
+
+
+def test_check_takes_kwargs_like_compile(no_build):
+    """check(model, args, kwargs=...) exports what compile(model, args, kwargs=...) exports: the
+    keyword inputs are real inputs (their ops are checked), a None argument is no input, and a
+    Dim on a keyword input names the symbol."""
+    model, x = _Keywords(), torch.randn(2, 5, 8)
+    assert grace_check(model, (x,)).ok                       # gate=None: the cosh is never traced
+    assert grace_check(model, (x,), kwargs={"mask": torch.ones(2, 5, 8)}).ok
+    report = grace_check(model, (x, None), kwargs={"gate": torch.randn(2, 5, 8)})
+    assert [p.op for p in report.problems] == ["aten.cosh.default"]
+    assert report.problems[0].locations == [
+        f'File "{HERE}", line {_line("LINE_GATE")}, in forward: {_source(_line("LINE_GATE"))}']
+    # keyword inputs only, with a dynamic dimension named by its Dim
+    n = torch.export.Dim("n", min=2, max=32)
+    report = grace_check(model, kwargs={"x": x, "mask": torch.ones(2, 5, 8)},
+                         dynamic_shapes={"x": {1: n}, "mask": {1: n}}, buckets={"n": [8, 32]})
+    assert report.ok and report.graphs == 2
+    report = grace_check(model, kwargs={"x": x}, dynamic_shapes={"x": {1: n}},
+                         buckets={"seq": [32]})
+    reason = report.problems[0].reasons[0]
+    assert not report.ok and reason.endswith("dynamic dimensions are: n"), reason   # not x.1
+    with pytest.raises(ValueError, match="example_inputs"):
+        grace_check(model, kwargs={})
+
+
 # ---- the source location helper -----------------------------------------------------------------------
 
 

@@ -27,7 +27,16 @@ overrides the compiler's default) serves every length. Measured, per contender:
   - grace's host time of run() at length 129, its output's error against eager at each fixed
     length, and its package: graph count, bucket, kernels and arena bytes per graph.
 torch.compile contenders are isolated from each other with torch._dynamo.reset(); a contender that
-fails is recorded under "errors" and the others still run. Cold passes include torch.compile's
+fails is recorded under "errors" and the others still run.
+
+`--backend-ab` adds the contender grace-backend: `torch.compile(model, backend="grace")`
+(aot/backend.py), i.e. grace's pipeline behind Dynamo instead of an offline package: static
+workloads time it like the others (its compile time, host µs per call with the per-call weight
+check, error against eager, any graph that fell back to eager: `grace-backend_fallbacks`, and a
+failure: `grace-backend_error`);
+the dynamic workload runs it like the torch.compile contenders (automatic dynamic shapes: a
+static graph first, then one with a dynamic sequence, bucketed; `--buckets seq=...` reaches it as
+options={"buckets": {"input_ids.1": ...}}). Cold passes include torch.compile's
 compile time, which inductor's on-disk caches shorten on a later run (and for reduce-overhead
 after the default mode); TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 gives cache-free cold figures.
 --out is rewritten after each workload and each dynamic contender, so a run cut short keeps
@@ -173,7 +182,7 @@ def rel_err(got, ref) -> float:
 
 
 def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("tf32x3",),
-                pdl_ab: bool = False) -> dict:
+                pdl_ab: bool = False, backend_ab: bool = False) -> dict:
     import torch
 
     model, make_input = make()
@@ -202,6 +211,8 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("
     if pdl_ab:   # the same model and precision with programmatic dependent launch
         _bench_grace(result, "grace[pdl]", model, x, workdir / f"{name}-pdl.grace", precisions[0],
                      iters, repeats, warmup, pdl=True)
+    if backend_ab:   # the same pipeline behind torch.compile (aot/backend.py)
+        _bench_backend(result, model, x, precisions[0], iters, repeats, warmup)
     result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
     return result
 
@@ -233,10 +244,73 @@ def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup, pdl=
     pkg.close()
 
 
+BACKEND = "grace-backend"   # torch.compile(model, backend="grace") (--backend-ab)
+
+
+def backend_options(precision: str, buckets: dict | None = None) -> dict:
+    """torch.compile(..., backend="grace", options=...) of the grace-backend contender: the grace
+    contender's precision; the dynamic workload's `--buckets seq=...` named as Dynamo names the
+    dim (the model's argument `input_ids`, dim 1)."""
+    options = {"fp32_matmul": precision}
+    if buckets and buckets.get("seq"):
+        options["buckets"] = {"input_ids.1": list(buckets["seq"])}
+    return options
+
+
+def _backend_fallbacks(caught) -> list[str]:
+    """The GraceBackendWarnings among `caught` (a graph, or calls, that ran eagerly), logged too:
+    a grace-backend figure with a fallback is partly eager's."""
+    from grace.aot.backend import GraceBackendWarning
+
+    found = [str(w.message) for w in caught if issubclass(w.category, GraceBackendWarning)]
+    for msg in found:
+        _log(f"{BACKEND}: {msg[:300]}")
+    return found
+
+
+def _bench_backend(result, model, x, prec, iters, repeats, warmup):
+    """The grace-backend contender on a static workload: compiled by Dynamo's first calls (the
+    compile time includes Dynamo's capture, grace's compile and the package's load), then timed
+    like the others."""
+    import warnings
+
+    import torch
+
+    from grace.aot.backend import compiled_graphs   # (importing grace.aot registers "grace")
+
+    notes = result["notes"]
+    torch._dynamo.reset()
+    before = {id(g) for g in compiled_graphs()}   # an earlier workload's, not yet collected
+    try:
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = time.perf_counter()
+            compiled = torch.compile(model, backend="grace", options=backend_options(prec))
+            compiled(x)
+            compiled(x)
+            torch.cuda.synchronize()
+            notes[f"{BACKEND}_compile_s"] = time.perf_counter() - t
+        notes[f"{BACKEND}_fallbacks"] = _backend_fallbacks(caught)
+        with torch.no_grad():
+            fn = lambda: compiled(x)  # noqa: E731
+            result["ms"][BACKEND] = statistics.median(time_calls(fn, iters, repeats, warmup))
+            notes[f"{BACKEND}_call_host_us"] = host_us(fn, torch.cuda.synchronize)
+            notes[f"{BACKEND}_rel_err_vs_eager_tf32"] = rel_err(compiled(x), model(x))
+        notes[f"{BACKEND}_graphs"] = [{"label": g.label, "calls": dict(g.calls),
+                                       "eager_reason": g.eager_reason}
+                                      for g in compiled_graphs() if id(g) not in before]
+    except Exception as e:  # noqa: BLE001 - the other contenders' figures still count
+        notes[f"{BACKEND}_error"] = _error(e)
+        _log(f"{result['model']}: {BACKEND} failed: {notes[f'{BACKEND}_error'][:300]}")
+    finally:
+        torch._dynamo.reset()
+
+
 def format_static_table(results: list[dict]) -> str:
     """The static workloads' summary: ms per call per contender, grace ÷ reduce-overhead, kernels,
     host µs of run() and grace's error against eager."""
-    extra = list(dict.fromkeys(k for r in results for k in r["ms"] if k.startswith("grace[")))
+    extra = list(dict.fromkeys(k for r in results for k in r["ms"]
+                               if k.startswith("grace[") or k == BACKEND))
     lines = [f"{'model':10s} {'eager':>8s} {'compile':>8s} {'red-ovh':>8s} {'grace':>8s} "
              + "".join(f"{k:>14s}" for k in extra)
              + f" {'g/ro':>6s} {'kernels':>7s} {'host us':>8s} {'rel err':>8s}"]
@@ -400,14 +474,27 @@ def _run_eager(res, model, inputs: _Inputs, cfg) -> None:
 def _run_torch_compile(res, key, model, inputs: _Inputs, cfg) -> None:
     """One torch.compile contender, from a clean dynamo state: the stream first (so its cold pass
     sees every compile and recording), then the fixed lengths on the same compiled model."""
+    import warnings
+
     import torch
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, mode=None if key == "torch.compile" else key)
-    res["stream"][key] = _stream_passes(compiled, inputs.stream, _TorchCounts)
-    with _TorchCounts() as fixed_counts:
-        _time_lengths(res, key, compiled, inputs.fixed, cfg)
+    record = warnings.catch_warnings(record=True) if key == BACKEND else contextlib.nullcontext([])
+    with record as caught:
+        if key == BACKEND:
+            import grace.aot  # noqa: F401  (registers backend="grace" without the entry point)
+
+            warnings.simplefilter("always", Warning)   # the fallbacks, recorded below
+            compiled = torch.compile(model, backend="grace",
+                                     options=backend_options(cfg.precision, cfg.buckets))
+        else:
+            compiled = torch.compile(model, mode=None if key == "torch.compile" else key)
+        res["stream"][key] = _stream_passes(compiled, inputs.stream, _TorchCounts)
+        with _TorchCounts() as fixed_counts:
+            _time_lengths(res, key, compiled, inputs.fixed, cfg)
     res["stream"][key]["built_fixed_lengths"] = fixed_counts.result
+    if key == BACKEND:
+        res["stream"][key]["fallbacks"] = _backend_fallbacks(caught)
 
 
 def _run_grace(res, path: Path, model, inputs: _Inputs, cfg, key: str = "grace") -> None:
@@ -507,7 +594,8 @@ def bench_dynamic(name: str, cfg, workdir: Path, checkpoint=lambda res: None) ->
             extra = workdir / f"{name}-{prec}.grace"
             _guarded(res, key, _run_grace_at, res, key, prec, model, inputs, cfg, extra)
             checkpoint(res)
-        for key in ("torch.compile", "reduce-overhead"):
+        backend = (BACKEND,) if getattr(cfg, "backend_ab", False) else ()
+        for key in ("torch.compile", "reduce-overhead") + backend:
             _guarded(res, key, _run_torch_compile, res, key, model, inputs, cfg)
             checkpoint(res)
     return res
@@ -524,7 +612,8 @@ def _fmt(x, spec: str = "8.3f") -> str:
 def format_dynamic_table(res: dict) -> str:
     """The dynamic workload's summary: ms per call per length and for the mixed stream (cold and
     warm), what each contender built, and grace's package. Missing figures print as '-'."""
-    contenders = DYN_CONTENDERS + tuple(k for k in res["stream"] if k.startswith("grace["))
+    contenders = DYN_CONTENDERS + tuple(k for k in res["stream"]
+                                        if k.startswith("grace[") or k == BACKEND)
     head = f"{'':16s}" + "".join(f"{c:>16s}" for c in contenders)
     lines = [f"{res['model']}: ms per call (batch 1, fp32)", head]
     for n, row in res["ms"].items():
@@ -537,7 +626,7 @@ def format_dynamic_table(res: dict) -> str:
             f"{_fmt(stream.get(c, {}).get(f'{phase}_ms_per_call'), '16.3f')}" for c in contenders))
     lines.append(f"(stream: {calls} calls, {res['config']['stream_distinct_lengths']} distinct "
                  f"lengths in [{res['config']['range'][0]}, {res['config']['range'][1]}])")
-    for key in ("torch.compile", "reduce-overhead"):
+    for key in ("torch.compile", "reduce-overhead", BACKEND):
         cold = stream.get(key, {}).get("built_cold")
         if cold:
             warm = stream[key]["built_warm"]
@@ -607,6 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pdl-ab", action="store_true",
                     help="static workloads: also time grace[pdl], the same model compiled with "
                          "programmatic dependent launch (pdl=True)")
+    ap.add_argument("--backend-ab", action="store_true",
+                    help=f"also time {BACKEND}: torch.compile(model, backend=\"grace\"), grace's "
+                         "pipeline behind Dynamo (static and dynamic workloads)")
     dyn = ap.add_argument_group("dynamic workload (bert_base_dyn)")
     dyn.add_argument("--buckets", action="append", default=[], metavar="seq=B1,B2,...",
                      help="grace's bucket bounds for the sequence symbol 'seq' (as `grace compile "
@@ -678,7 +770,8 @@ def main(argv=None):
             _log(name)
             results.append(bench_model(name, available[name], args.iters, args.repeats,
                                        args.warmup, Path(tmp),
-                                       tuple(args.fp32_matmul.split(",")), args.pdl_ab))
+                                       tuple(args.fp32_matmul.split(",")), args.pdl_ab,
+                                       args.backend_ab))
             save()
         for name in args.dynamic:
             dynamic.append(bench_dynamic(name, args, Path(tmp), checkpoint=save))
