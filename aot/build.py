@@ -1,11 +1,17 @@
-"""Stage 6: Triton source → cubin, on a machine with no GPU.
+"""The `build` stage: Triton source → cubin, on a machine with no GPU.
 
-`triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` needs no driver (design §4).
+`triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` needs no driver (measured with
+Triton 3.6 for sm_80, sm_90 and sm_100; `python -m triton.tools.compile` does need one).
 Pointer parameters carry a 16-byte divisibility hint: every pointer we pass is 256-aligned
-(arena, weights) or an 8-aligned table slot holding a 16-aligned pointer (checked by the
-runtime). Each unique (source, arch, options) is compiled once, in parallel worker processes, and
-cached on disk under ~/.cache/grace (GRACE_CACHE_DIR overrides), keyed by a hash that includes the
-Triton version.
+(arena, weights, state), a 16-aligned table slot, or a user tensor the runtime checked to be
+16-byte aligned (SPEC.md §5.1). Each unique request is compiled once, in parallel worker
+processes, and cached on disk under ~/.cache/grace/cubins (GRACE_CACHE_DIR overrides).
+
+The cache key (`BuildRequest.key`) hashes everything the cubin depends on: the source, the
+parameter types, the divisibility hints, the target, every option handed to `triton.compile`, the
+Triton version, and RECIPE_VERSION for what the code of this module decides. The recipe is read
+from the request itself (`signature`, `attrs`, `target`, `triton_options`), by the key and by
+`compile_one` alike, so the two cannot drift apart.
 """
 from __future__ import annotations
 
@@ -20,6 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+# The build recipe's version: bump it whenever this module changes how a source becomes a cubin
+# (another hint in `attrs`, another option, a different target or compile call), so that
+# ~/.cache/grace never serves a cubin built by the old recipe. 1: the recipe before the version
+# existed (its keys did not include it); 2: the key hashes the recipe and the full options.
+RECIPE_VERSION = 2
+WARP_SIZE = 32
+
+
 class BuildError(RuntimeError):
     pass
 
@@ -32,11 +46,34 @@ class BuildRequest:
     num_warps: int
     num_stages: int
     arch: str                      # "sm_90"
+    # further triton.compile options as (name, value) pairs (none so far; a new one goes here,
+    # so that it is in the key)
+    options: tuple = ()
+
+    def triton_options(self) -> dict:
+        """Everything handed to triton.compile as `options`."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.options)}
+
+    def attrs(self) -> dict:
+        """The argument attributes: a 16-byte divisibility hint on every pointer parameter."""
+        return {(i,): [["tt.divisibility", 16]] for i, t in enumerate(self.param_types)
+                if t.startswith("*")}
+
+    def target(self) -> tuple[str, int, int]:
+        """(backend, compute capability, warp size) of GPUTarget."""
+        return ("cuda", int(self.arch.removeprefix("sm_")), WARP_SIZE)
 
     def key(self) -> str:
+        """The cache key: a sha256 over the recipe version, the Triton version and every input of
+        the build (source, entry point, signature, hints, target, options)."""
         import triton
-        blob = json.dumps([self.source, self.param_types, self.num_warps, self.num_stages,
-                           self.arch, triton.__version__])
+        blob = json.dumps({
+            "recipe": RECIPE_VERSION, "triton": triton.__version__, "name": self.name,
+            "source": self.source, "signature": list(self.param_types),
+            "attrs": sorted([list(k), v] for k, v in self.attrs().items()),
+            "target": list(self.target()),
+            "options": sorted([k, v] for k, v in self.triton_options().items()),
+        }, sort_keys=True, default=repr)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -86,16 +123,11 @@ def compile_one(req: BuildRequest) -> Binary:
     from triton.compiler import ASTSource
 
     fn = load_source(req.name, req.source)
-    names = fn.arg_names
-    signature = dict(zip(names, req.param_types))
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(req.param_types)
-             if t.startswith("*")}
-    capability = int(req.arch.removeprefix("sm_"))
+    signature = dict(zip(fn.arg_names, req.param_types))
     try:
-        compiled = triton.compile(ASTSource(fn, signature, {}, attrs),
-                                  target=GPUTarget("cuda", capability, 32),
-                                  options={"num_warps": req.num_warps,
-                                           "num_stages": req.num_stages})
+        compiled = triton.compile(ASTSource(fn, signature, {}, req.attrs()),
+                                  target=GPUTarget(*req.target()),
+                                  options=req.triton_options())
     except Exception as exc:
         raise BuildError(f"Triton failed to compile kernel {req.name} for {req.arch}: "
                          f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}\n"
@@ -118,7 +150,7 @@ def compile_all(requests: list[BuildRequest], jobs: int | None = None, progress=
     """Compile in worker processes; results in request order. `progress(done, total)` is called
     as kernels finish."""
     jobs = jobs or max(1, min(os.cpu_count() or 1, 8))
-    todo = [r for r in requests if not _is_cached(r)]
+    todo = [r for r in requests if not is_cached(r)]
     if len(todo) > 1 and jobs > 1:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             for done, _ in enumerate(pool.map(compile_one, todo), 1):
@@ -132,6 +164,7 @@ def compile_all(requests: list[BuildRequest], jobs: int | None = None, progress=
     return [compile_one(r) for r in requests]
 
 
-def _is_cached(req: BuildRequest) -> bool:
+def is_cached(req: BuildRequest) -> bool:
+    """The cache holds this request's cubin and metadata (compile_one will not build it)."""
     path = cache_dir() / f"{req.key()}.json"
     return path.exists() and path.with_suffix(".cubin").exists()

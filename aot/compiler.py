@@ -1,4 +1,13 @@
-"""The compiler driver: runs the stages in order and writes the package.
+"""The compiler driver: PIPELINE, the named list of stages, run in order into a package.
+
+    export → symbols → per bucket: lower → fuse → memplan → codegen → table → override → build
+    → package
+
+Each stage is a function from one state to the next: the program-level ones take and return the
+CompileState, the per-bucket ones a BucketState (one per shape bucket, run bucket by bucket).
+Between stages, GRACE_DUMP=DIR writes each state (aot/dump.py), GRACE_VERIFY=1 checks the IR
+after lower, fuse and memplan (aot/verify_ir.py), and the override stage applies
+GRACE_OVERRIDE=DIR (kernel sources by name). docs/architecture.md, "Seeing between the stages".
 
 Options are a frozen dataclass: hashable, validated once, recorded in the manifest.
 """
@@ -9,10 +18,12 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from . import build, codegen, export, fuse, generation, lower, memplan, package, shapes
+from . import (build, codegen, dump, export, fuse, generation, lower, memplan, package, shapes,
+               verify_ir, versions)
 from .check import relocate
 
 ARCH_RE = re.compile(r"^sm_(\d{2,3})$")
@@ -152,99 +163,292 @@ def _say(options: CompileOptions, msg: str):
         Console(stderr=True).print(msg)
 
 
-def _lower_bucket(core, name, options, symbols, sym_index, bounds: dict,
-                  output_names=None) -> package.GraphBuild:
-    """One graph: the program lowered with every input symbol at its bucket bound."""
-    bucket = {s.expr: bounds[s.name] for s in symbols if s.kind == "input"}
+# ----------------------------------------------------------------------------------------------
+# The pipeline: named stages, each a function from one state to the next
+# ----------------------------------------------------------------------------------------------
+# Stages with `per_bucket` run once per shape bucket (one graph each), bucket by bucket in the
+# order of shapes.combinations, on that bucket's BucketState; the others run once on the
+# CompileState. GRACE_DUMP=DIR writes the state after every stage (aot/dump.py), GRACE_VERIFY=1
+# checks the IR after lower, fuse and memplan (aot/verify_ir.py), GRACE_OVERRIDE=DIR swaps kernel
+# sources by name before the build (the `override` stage).
+
+
+@dataclass
+class BucketState:
+    """One bucket on its way through the per-bucket stages."""
+
+    bounds: dict                  # symbol name -> bound (the input symbols of this bucket)
+    name: str                     # the graph's name: "seq=128,batch=2", or "main" when static
+    program: object = None        # lower: the lowered ir.Program
+    kernels: list | None = None   # fuse: the kernels after epilogue fusion (empty ones dropped)
+    plan: object = None           # memplan: the memplan.MemoryPlan
+    sources: list | None = None   # codegen: one codegen.KernelSource per kernel
+    graph: object = None          # codegen: the package.GraphBuild (with the dependency edges)
+
+
+@dataclass
+class CompileState:
+    """The whole compile: what was asked, then what each stage adds (None until it ran)."""
+
+    program: object               # the ExportedProgram given
+    output: Path
+    name: str
+    options: CompileOptions
+    dim_names: dict | None = None
+    core: object = None           # export: core ATen, constant inputs dropped
+    symbols: list = field(default_factory=list)   # symbols: shapes.Symbol, input then data
+    lists: dict = field(default_factory=dict)     # symbols: bucket bounds per input symbol
+    sym_index: dict = field(default_factory=dict)  # symbols: sympy symbol -> extents word
+    output_names: list = field(default_factory=list)
+    buckets: list = field(default_factory=list)   # symbols: one BucketState per graph
+    graphs: list = field(default_factory=list)    # table: the buckets' GraphBuilds
+    checks: list = field(default_factory=list)    # table: the manifest's index_checks
+    layout: tuple = ()            # table: (slots, extents, table bytes, error word)
+    writer: object = None         # table: the table writer's KernelSource
+    step: object = None           # table: generation.GenerationPlan (--generate) or None
+    recorded: dict = field(default_factory=dict)  # table: the options the manifest records
+    unique: dict = field(default_factory=dict)    # table: kernel name -> KernelSource
+    overrides: list = field(default_factory=list)  # override: kernel names whose source was swapped
+    requests: list = field(default_factory=list)  # build: build.BuildRequest per kernel per arch
+    cached: list = field(default_factory=list)    # build: whether each request was in the cache
+    binaries: dict = field(default_factory=dict)  # build: (name, arch) -> build.Binary
+    manifest: dict | None = None  # package
+    sections: dict | None = None  # package
+    seconds: dict = field(default_factory=dict)   # stage name -> seconds (summed over buckets)
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable
+    per_bucket: bool = False
+    # GRACE_VERIFY: the IR check after this stage, (bucket, state) -> None (raises IRVerifyError)
+    verify: Callable | None = None
+
+
+def _export(st: CompileState) -> CompileState:
+    """export: the program in core ATen (decompose), without constant inputs."""
+    st.core = decompose(st.program)
+    return st
+
+
+def _symbols(st: CompileState) -> CompileState:
+    """symbols: the size symbols (input dims, then data-dependent sizes), their bucket lists, the
+    decode bucket of --generate, and one BucketState per combination of buckets."""
     try:
-        lowered = lower.lower(core, name, options.recorded(), bucket)
+        st.symbols = shapes.find_symbols(st.core, st.dim_names)
+        st.lists = shapes.bucket_lists(st.symbols, dict(st.options.buckets))
+        st.symbols += shapes.find_data_symbols(st.core, st.symbols)
+    except shapes.ShapeError as exc:
+        raise lower.LoweringError(str(exc)) from exc
+    if st.options.generate:   # decode (one token) is a bucket of its own
+        generation.add_decode_bucket(st.core, st.symbols, st.lists, dict(st.options.generate))
+    st.sym_index = {s.expr: i for i, s in enumerate(st.symbols)}
+    st.output_names = program_output_names(st.core)
+    st.buckets = [BucketState(b, ",".join(f"{k}={v}" for k, v in b.items()) or "main")
+                  for b in shapes.combinations(st.symbols, st.lists)]
+    return st
+
+
+def _lower(b: BucketState, st: CompileState) -> BucketState:
+    """lower: the program lowered with every input symbol at its bucket bound (ir.Program),
+    outputs named after the model's, session state added for --generate."""
+    bucket = {s.expr: b.bounds[s.name] for s in st.symbols if s.kind == "input"}
+    try:
+        b.program = lower.lower(st.core, st.name, st.options.recorded(), bucket)
     except (lower.LoweringError, shapes.ShapeError) as exc:
-        relocate(exc, core)   # "used at" the user's line, not torch/nn/modules/*.py
+        relocate(exc, st.core)   # "used at" the user's line, not torch/nn/modules/*.py
         raise
-    if output_names is not None:   # the model's own names (logits, last_hidden_state, ...)
-        package.name_outputs(lowered, output_names)
-    if options.generate:
-        generation.add_state(lowered, dict(options.generate))
-    kernels = memplan.drop_empty(fuse.fuse_epilogues(lowered.kernels))
-    plan = memplan.plan_memory(kernels, lowered.weights, lowered.state)
-    memplan.check_plan(plan)
-    sources = []
-    for k in kernels:
+    package.name_outputs(b.program, st.output_names)   # the model's own names (logits, ...)
+    if st.options.generate:
+        generation.add_state(b.program, dict(st.options.generate))
+    return b
+
+
+def _fuse(b: BucketState, st: CompileState) -> BucketState:
+    """fuse: epilogue fusion, then the kernels with nothing to do dropped."""
+    b.kernels = memplan.drop_empty(fuse.fuse_epilogues(b.program.kernels))
+    return b
+
+
+def _memplan(b: BucketState, st: CompileState) -> BucketState:
+    """memplan: arena offsets by liveness, weights and state packed (checked for overlaps)."""
+    b.plan = memplan.plan_memory(b.kernels, b.program.weights, b.program.state)
+    memplan.check_plan(b.plan)
+    return b
+
+
+def _codegen(b: BucketState, st: CompileState) -> BucketState:
+    """codegen: one Triton source per kernel, then the graph's dependency edges (which need to
+    know the kernels that read the extents) and the bucket's GraphBuild."""
+    b.sources = []
+    for k in b.kernels:
         try:
-            sources.append(codegen.generate(k, sym_index, pdl=options.pdl))
+            b.sources.append(codegen.generate(k, st.sym_index, pdl=st.options.pdl))
         except ValueError as exc:   # a size expression a kernel cannot evaluate
             raise lower.LoweringError(f"{exc} — in the kernel for node '{k.label}'") from exc
-    readers = [any(b.kind == "extents" for b in src.buffers) for src in sources]
-    deps = memplan.dependencies(kernels, plan, readers)
-    graph_name = ",".join(f"{k}={v}" for k, v in bounds.items()) or "main"
-    all_bounds = {s.name: int(lowered.bounds.get(s.expr, s.hi or 0)) for s in symbols}
-    return package.GraphBuild(graph_name, all_bounds, lowered, kernels, plan, deps, sources)
+    readers = [any(buf.kind == "extents" for buf in src.buffers) for src in b.sources]
+    deps = memplan.dependencies(b.kernels, b.plan, readers)
+    all_bounds = {s.name: int(b.program.bounds.get(s.expr, s.hi or 0)) for s in st.symbols}
+    b.graph = package.GraphBuild(b.name, all_bounds, b.program, b.kernels, b.plan, deps, b.sources)
+    return b
+
+
+def _table(st: CompileState) -> CompileState:
+    """table: every bucket has the same interface; the index checks, the argument-table layout
+    (one for all graphs), the table writer, the generation step, the recorded options and the
+    unique kernels."""
+    st.graphs = [b.graph for b in st.buckets]
+    _check_same_interface(st.graphs)
+    st.checks = package.index_checks(st.graphs, st.symbols)   # gathers' bounds checks (3.3)
+    layouts = [package.table_layout(g.program, len(st.symbols), bool(st.checks))
+               for g in st.graphs]  # sets buf.slot
+    if any(layout != layouts[0] for layout in layouts[1:]):
+        raise lower.LoweringError("internal: buckets lowered to different argument tables")
+    st.layout = layouts[0]
+    slots, extents, _, _ = st.layout
+    st.writer = codegen.table_writer_source(slots, extents)
+    if st.options.generate:
+        st.step = generation.plan(st.graphs, st.symbols, dict(st.options.generate))
+    st.recorded = st.options.recorded()
+    if st.lists:
+        st.recorded["buckets"] = st.lists
+        st.recorded["bucket_cost"] = _cost_note(st.symbols, st.lists)
+    st.unique = {s.name: s for s in [st.writer] + [src for g in st.graphs for src in g.sources]
+                 + ([st.step.source] if st.step else [])}
+    _say(st.options, f"[bold]grace[/]: {st.name}: {len(st.graphs)} graph(s), "
+                     f"{sum(len(g.kernels) for g in st.graphs)} kernels ({len(st.unique) - 1} "
+                     f"unique), arena ≤ {max(g.plan.arena_nbytes for g in st.graphs)} B, "
+                     f"weights {st.graphs[0].plan.weights_nbytes} B")
+    return st
+
+
+def _override(st: CompileState) -> CompileState:
+    """override: with GRACE_OVERRIDE=DIR, every DIR/<kernel name>.py replaces that kernel's
+    source (a debugging aid: edit a dumped kernel, rebuild the package). Warned about loudly and
+    recorded in the manifest (`producer.overrides`), so such a package is never taken for a
+    clean build."""
+    replaced = dump.load_overrides(st.unique)
+    if not replaced:
+        return st
+    st.overrides = sorted(replaced)
+    st.unique = {name: replaced.get(name, src) for name, src in st.unique.items()}
+    for g in st.graphs:
+        g.sources[:] = [replaced.get(s.name, s) for s in g.sources]
+    st.writer = replaced.get(st.writer.name, st.writer)
+    if st.step is not None:
+        st.step.source = replaced.get(st.step.source.name, st.step.source)
+    dump.warn_overrides(st.overrides)
+    return st
+
+
+def _build(st: CompileState) -> CompileState:
+    """build: every unique kernel compiled to a cubin for every arch (cached, in parallel)."""
+    st.requests = [build.BuildRequest(s.name, s.source, tuple(s.param_types), s.num_warps,
+                                      s.num_stages, arch)
+                   for s in st.unique.values() for arch in st.options.archs]
+    st.cached = [build.is_cached(r) for r in st.requests]
+    binaries = _build_with_progress(st.requests, st.options)
+    st.binaries = {(r.name, r.arch): b for r, b in zip(st.requests, binaries)}
+    return st
+
+
+def _package(st: CompileState) -> CompileState:
+    """package: the manifest and sections (package.build_manifest), written atomically."""
+    from grace.formats import write_package
+
+    slots, extents, table_nbytes, errors = st.layout
+    st.manifest, st.sections = package.build_manifest(
+        st.graphs, st.symbols, st.writer, st.binaries, list(st.options.archs), st.recorded, slots,
+        extents, table_nbytes, st.step, errors, st.checks)
+    if st.overrides:   # an optional producer key: this package is not a clean build
+        st.manifest["producer"]["overrides"] = list(st.overrides)
+    st.output.parent.mkdir(parents=True, exist_ok=True)
+    write_package(st.output, st.manifest, st.sections)
+    return st
+
+
+def _verify_lowered(b: BucketState, st: CompileState) -> None:
+    verify_ir.check_kernels(b.program.kernels, b.program, "lower", b.name)
+
+
+def _verify_fused(b: BucketState, st: CompileState) -> None:
+    verify_ir.check_kernels(b.kernels, b.program, "fuse", b.name)
+
+
+def _verify_plan(b: BucketState, st: CompileState) -> None:
+    verify_ir.check_plan(b.plan, b.kernels, b.program, "memplan", b.name)
+
+
+PIPELINE: tuple[Stage, ...] = (
+    Stage("export", _export),
+    Stage("symbols", _symbols),
+    Stage("lower", _lower, per_bucket=True, verify=_verify_lowered),
+    Stage("fuse", _fuse, per_bucket=True, verify=_verify_fused),
+    Stage("memplan", _memplan, per_bucket=True, verify=_verify_plan),
+    Stage("codegen", _codegen, per_bucket=True),
+    Stage("table", _table),
+    Stage("override", _override),
+    Stage("build", _build),
+    Stage("package", _package),
+)
+
+
+def run_pipeline(st: CompileState, stages=PIPELINE, dumper=None, verify: bool | None = None):
+    """Run `stages` in order on `st`: a run of consecutive per-bucket stages goes bucket by
+    bucket (each bucket through all of them, then the next), the others once. `dumper`
+    (dump.Dump) writes every stage's state; `verify` (default: GRACE_VERIFY) runs the IR checks
+    of the stages that have one. Returns the final state. A failing stage is recorded in the
+    dump (ERROR.txt) before its exception propagates."""
+    verify = verify_ir.enabled() if verify is None else verify
+    i = 0
+    while i < len(stages):
+        if not stages[i].per_bucket:
+            st = _run_stage(stages[i], st, None, dumper, verify)
+            i += 1
+            continue
+        group = []
+        while i < len(stages) and stages[i].per_bucket:
+            group.append(stages[i])
+            i += 1
+        for n, bucket in enumerate(st.buckets):
+            for stage in group:
+                bucket = _run_stage(stage, st, bucket, dumper, verify)
+            st.buckets[n] = bucket
+    return st
+
+
+def _run_stage(stage: Stage, st: CompileState, bucket, dumper, verify):
+    t = time.perf_counter()
+    try:
+        out = stage.run(st) if bucket is None else stage.run(bucket, st)
+        if verify and stage.verify is not None:
+            stage.verify(out, st)
+    except BaseException as exc:
+        if dumper is not None:
+            dumper.error(stage, bucket, exc)
+        raise
+    finally:
+        st.seconds[stage.name] = st.seconds.get(stage.name, 0.0) + time.perf_counter() - t
+    if dumper is not None:
+        dumper.stage(stage, out, st if bucket is not None else out)
+    return out
 
 
 def compile_program(program, output: Path, name: str, options: CompileOptions,
                     dim_names: dict | None = None) -> CompileReport:
-    from grace.formats import write_package
-
-    seconds = {}
-    t = time.perf_counter()
-    core = decompose(program)
-    seconds["decompose"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    try:
-        symbols = shapes.find_symbols(core, dim_names)
-        lists = shapes.bucket_lists(symbols, dict(options.buckets))
-        symbols += shapes.find_data_symbols(core, symbols)
-    except shapes.ShapeError as exc:
-        raise lower.LoweringError(str(exc)) from exc
-    if options.generate:   # decode (one token) is a bucket of its own
-        generation.add_decode_bucket(core, symbols, lists, dict(options.generate))
-    sym_index = {s.expr: i for i, s in enumerate(symbols)}
-    out_names = program_output_names(core)
-    graphs = []
-    for bounds in shapes.combinations(symbols, lists):
-        graphs.append(_lower_bucket(core, name, options, symbols, sym_index, bounds, out_names))
-    _check_same_interface(graphs)
-    checks = package.index_checks(graphs, symbols)   # gathers' bounds checks (format 3.3)
-    layouts = [package.table_layout(g.program, len(symbols), bool(checks))
-               for g in graphs]  # sets buf.slot
-    if any(layout != layouts[0] for layout in layouts[1:]):
-        raise lower.LoweringError("internal: buckets lowered to different argument tables")
-    slots, extents, table_nbytes, errors = layouts[0]
-    writer = codegen.table_writer_source(slots, extents)
-    step = None
-    if options.generate:
-        step = generation.plan(graphs, symbols, dict(options.generate))
-    recorded = options.recorded()
-    if lists:
-        recorded["buckets"] = lists
-        recorded["bucket_cost"] = _cost_note(symbols, lists)
-    seconds["lower"] = time.perf_counter() - t
-    unique = {s.name: s for s in [writer] + [src for g in graphs for src in g.sources]
-              + ([step.source] if step else [])}
-    _say(options, f"[bold]grace[/]: {name}: {len(graphs)} graph(s), "
-                  f"{sum(len(g.kernels) for g in graphs)} kernels ({len(unique) - 1} unique), "
-                  f"arena ≤ {max(g.plan.arena_nbytes for g in graphs)} B, "
-                  f"weights {graphs[0].plan.weights_nbytes} B")
-
-    t = time.perf_counter()
-    requests = [build.BuildRequest(s.name, s.source, tuple(s.param_types), s.num_warps,
-                                   s.num_stages, arch)
-                for s in unique.values() for arch in options.archs]
-    binaries_list = _build_with_progress(requests, options)
-    binaries = {(r.name, r.arch): b for r, b in zip(requests, binaries_list)}
-    seconds["build"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    manifest, sections = package.build_manifest(graphs, symbols, writer, binaries,
-                                                list(options.archs), recorded, slots, extents,
-                                                table_nbytes, step, errors, checks)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    write_package(output, manifest, sections)
-    seconds["package"] = time.perf_counter() - t
+    """Run PIPELINE on an ExportedProgram and write the package to `output`."""
+    # another torch/triton than the pinned ones: a warning (the GPU machine compiles with torch 2.11)
+    unpinned = versions.warn_if_unpinned(stacklevel=2)
+    if unpinned:
+        _say(options, f"[bold yellow]grace: warning[/]: {unpinned}")
+    st = run_pipeline(CompileState(program, Path(output), name, options, dim_names),
+                      dumper=dump.Dump.from_env(name))
+    output = st.output
     _say(options, f"[bold]grace[/]: wrote {output} "
-                  f"({output.stat().st_size / 1e6:.1f} MB) in {sum(seconds.values()):.1f} s")
-    return CompileReport(output, sum(len(g.kernels) for g in graphs), len(unique) - 1, seconds)
+                  f"({output.stat().st_size / 1e6:.1f} MB) in {sum(st.seconds.values()):.1f} s")
+    return CompileReport(output, sum(len(g.kernels) for g in st.graphs), len(st.unique) - 1,
+                         st.seconds)
 
 
 def decompose(program):

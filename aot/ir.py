@@ -89,6 +89,15 @@ class Expr:
     def children(self) -> tuple["Expr", ...]:
         return ()
 
+    # Printing only (format_expr below): `str(e)` is the whole tree, `repr(e)` the same text cut
+    # at REPR_CHARS, so a debugger, a failed assertion or a log line shows what the value is
+    # instead of `<grace.aot.ir.Op object at 0x...>`.
+    def __str__(self) -> str:
+        return format_expr(self)
+
+    def __repr__(self) -> str:
+        return _clip(format_expr(self, limit=REPR_CHARS))
+
 
 class Load(Expr):
     """buf[offset + sum(idx[d] * strides[d])] — strides may be 0 (broadcast)."""
@@ -286,6 +295,13 @@ class Kernel:
                 seen.setdefault(id(load.buf), load.buf)
         return list(seen.values())
 
+    def __repr__(self) -> str:
+        label = f" {self.label!r}" if self.label else ""
+        return f"Kernel({self.family}{label} -> {_buf_text(self.out)}, over {list(self.out_shape)})"
+
+    def __str__(self) -> str:
+        return format_kernel(self)
+
 
 @dataclass
 class Program:
@@ -307,3 +323,173 @@ class Program:
     state_index_sizes: list = field(default_factory=list)
     # the gathers' index checks: {"code", "input", "op", "where", "size"} (Lowering.check_index)
     index_checks: list = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        return (f"Program({self.name!r}: {len(self.kernels)} kernels, {len(self.inputs)} inputs, "
+                f"{len(self.outputs)} outputs, {len(self.weights)} weights, {len(self.state)} state)")
+
+    def __str__(self) -> str:
+        return format_ir(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Printing: the IR as a small listing (GRACE_DUMP, aot/dump.py; repr/str of the nodes above)
+# ----------------------------------------------------------------------------------------------
+# A value is a DAG (a node reused in two places is one value), so the printer names every
+# non-leaf node that has several parents once (`%1 = ...`) and refers to it by name after that:
+# the text grows with the number of nodes, never with the number of paths through them.
+REPR_CHARS = 400   # repr() of an expression stops here (str() and format_expr print it whole)
+
+
+def _clip(text: str, limit: int = REPR_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit - 4] + " ..."
+
+
+def _buf_text(buf: Buffer) -> str:
+    """`buf3 arena float32[4, 128]`; a dynamic I/O buffer marks its dynamic dims with `*`."""
+    dims = [f"{d}*" if buf.dynamic and buf.dynamic[i] else str(d) for i, d in enumerate(buf.shape)]
+    return f"{buf.name} {buf.kind} {buf.dtype}[{', '.join(dims)}]"
+
+
+def _short_dtype(dtype: str) -> str:
+    return {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16",
+            "int64": "i64", "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8",
+            "bool": "b1"}.get(dtype, dtype)
+
+
+def _map_text(m: DimMap, name) -> str:
+    if m.kind == "dim":
+        text = f"i{m.src}" if m.step == 1 else f"i{m.src}*{m.step}"
+        return text + (f"{m.start:+d}" if m.start else "")
+    if m.kind == "const":
+        return str(m.start)
+    return name(m.expr)
+
+
+def format_expr(expr: Expr, limit: int | None = None, names: dict | None = None) -> str:
+    """One expression as text, e.g. `gelu:f32(add:f32(buf3[0; 128, 1], fc1.bias[0; 0, 1]))`.
+
+    Leaves: `BUF[offset; strides]` (a Load: element offset + sum of index * stride), `1.0:f32`
+    (a constant), `i0` (the index along dim 0), `sym(s0)` (a size symbol's runtime value),
+    `acc:f32` (the kernel's computed value, in an epilogue). Nodes: `op:dtype(args)` (with
+    `[param]` when the op has one), `reindex(child @ [maps], bounds=..., fill=...)` where a map is
+    `i<d>*step+start`, a constant or an index expression, `reshape(child, [from] -> [to])` and
+    `cat@dim(part [start:end], ...)`. A node with several parents is printed once as `%k = ...`
+    before the expression and referred to as `%k`. `limit`: stop after about that many
+    characters (repr); `names`: a dict to share the `%k` numbering between several
+    expressions (format_kernel)."""
+    parents: dict[int, int] = {}
+    for node in walk(expr):
+        for child in node.children():
+            parents[id(child)] = parents.get(id(child), 0) + 1
+    shared = names if names is not None else {}
+    lets: list[str] = []
+    budget = [limit if limit is not None else -1]
+
+    def name(node: Expr) -> str:
+        if id(node) in shared:
+            return shared[id(node)]
+        text = render(node)
+        if parents.get(id(node), 0) > 1 and node.children():
+            key = f"%{len(shared) + 1}"
+            shared[id(node)] = key
+            lets.append(f"{key} = {text}")
+            return key
+        return text
+
+    def render(node: Expr) -> str:
+        if budget[0] == 0:
+            return "..."
+        if isinstance(node, Load):
+            strides = ", ".join(str(s) for s in node.strides)
+            text = f"{node.buf.name}[{node.offset}; {strides}]"
+        elif isinstance(node, Const):
+            text = f"{node.value!r}:{_short_dtype(node.dtype)}"
+        elif isinstance(node, Index):
+            text = f"i{node.dim}"
+        elif isinstance(node, SymValue):
+            text = f"sym({node.expr})"
+        elif isinstance(node, Acc):
+            text = f"acc:{_short_dtype(node.dtype)}"
+        elif isinstance(node, Op):
+            param = f"[{node.param!r}]" if node.param is not None else ""
+            text = f"{node.op}{param}:{_short_dtype(node.dtype)}({', '.join(name(a) for a in node.args)})"
+        elif isinstance(node, Reindex):
+            maps = ", ".join(_map_text(m, name) for m in node.maps)
+            extra = ""
+            if node.bounds is not None:
+                extra = f", bounds={list(node.bounds)}, fill={node.fill!r}"
+            text = f"reindex({name(node.child)} @ [{maps}]{extra})"
+        elif isinstance(node, Reshape):
+            text = (f"reshape({name(node.child)}, {list(node.child_shape)} -> "
+                    f"{list(node.parent_shape)})")
+        elif isinstance(node, Cat):
+            parts = ", ".join(f"{name(p)} [{a}:{a + n}]"
+                              for p, a, n in zip(node.parts, node.starts, node.sizes))
+            text = f"cat@{node.dim}:{_short_dtype(node.dtype)}({parts})"
+        else:
+            text = f"<{type(node).__name__}>"
+        if budget[0] > 0:
+            budget[0] = max(0, budget[0] - len(text))
+        return text
+
+    body = name(expr)
+    return "\n".join(lets + [body]) if lets else body
+
+
+def _input_text(value, names: dict) -> str:
+    """A kernel's family-specific input: expressions through format_expr, the rest as Python."""
+    if isinstance(value, Expr):
+        return format_expr(value, names=names).replace("\n", "\n      ")
+    if isinstance(value, tuple) and any(isinstance(v, Expr) for v in value):
+        return "(" + ", ".join(_input_text(v, names) for v in value) + ")"
+    return repr(value)
+
+
+def format_kernel(kernel: Kernel, index: int | None = None) -> str:
+    """A kernel as a few lines: `#index family 'label'`, what it writes (buffer, over which index
+    space, with which extents), each family-specific input, and the epilogue it stores."""
+    head = f"#{index} " if index is not None else ""
+    label = f" {kernel.label!r}" if kernel.label else ""
+    lines = [f"{head}{kernel.family}{label}",
+             f"    out      {_buf_text(kernel.out)}  over {list(kernel.out_shape)}"
+             + (f"  ext {list(kernel.ext)}" if kernel.ext is not None else "")]
+    reads = ", ".join(b.name for b in kernel.reads())
+    lines.append(f"    reads    {reads or '-'}")
+    names: dict = {}
+    for key, value in kernel.inputs.items():
+        lines.append(f"    {key:<8} {_input_text(value, names)}")
+    lines.append(f"    epilogue {_input_text(kernel.epilogue, names)}")
+    return "\n".join(lines)
+
+
+def format_ir(program: "Program | None" = None, kernels: list[Kernel] | None = None,
+              title: str | None = None) -> str:
+    """A lowering as a small listing: the buffers (inputs, outputs, weights, state, then every
+    intermediate the kernels write or read: name, kind, dtype and shape) and the kernels in
+    execution order (format_kernel). `kernels` replaces the program's own (after fusion, the
+    fused list); `title` heads the listing (the bucket)."""
+    kernels = list(kernels if kernels is not None else (program.kernels if program else []))
+    lines = [title] if title else []
+    seen: set[int] = set()
+    groups = []
+    if program is not None:
+        groups = [("inputs", program.inputs), ("outputs", program.outputs),
+                  ("weights", program.weights), ("state", program.state)]
+    inner: list[Buffer] = []
+    for k in kernels:
+        for b in [k.out] + k.reads():
+            if b.kind in ("arena", "extents", "errors") and id(b) not in seen:
+                seen.add(id(b))
+                inner.append(b)
+    groups.append(("intermediates", inner))
+    lines.append("buffers:")
+    for what, bufs in groups:
+        if bufs:
+            lines.append(f"  {what}:")
+            lines += [f"    {_buf_text(b)}" + (f"  slot {b.slot}" if b.slot is not None else "")
+                      for b in bufs]
+    lines.append(f"kernels ({len(kernels)}):")
+    for i, k in enumerate(kernels):
+        lines += ["  " + ln for ln in format_kernel(k, i).splitlines()]
+    return "\n".join(lines) + "\n"

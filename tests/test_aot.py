@@ -71,8 +71,7 @@ def test_identical_layers_share_kernels(tmp_path):
 
 
 def test_memory_plan_has_no_live_overlap():
-    _, kernels = lowered(models.TinyViT(), torch.randn(1, 3, 32, 32))
-    prog, _ = lowered(models.TinyViT(), torch.randn(1, 3, 32, 32))
+    prog, kernels = lowered(models.TinyViT(), torch.randn(1, 3, 32, 32))   # one lowering's buffers
     plan = memplan.plan_memory(kernels, prog.weights)
     memplan.check_plan(plan)
     total = sum(p.nbytes for p in plan.arena.values())
@@ -82,11 +81,31 @@ def test_memory_plan_has_no_live_overlap():
 
 
 def test_dependencies_follow_write_after_read():
-    _, kernels = lowered(models.MLP(), torch.randn(4, 64))
-    prog, _ = lowered(models.MLP(), torch.randn(4, 64))
-    plan = memplan.plan_memory(kernels, prog.weights)
+    """Arena reuse creates an edge that no data flow does: `c` reuses the bytes of `a` once `a` is
+    dead, so the kernel writing `c` must wait for the one still reading `a` (write-after-read),
+    although it reads nothing of it."""
+    from grace.aot.ir import Buffer, Kernel, Load
+
+    x = Buffer("x", "input", "float32", (16, 16))
+    a = Buffer("a", "arena", "float32", (16, 16))
+    c = Buffer("c", "arena", "float32", (16, 16))
+    y1 = Buffer("y1", "output", "float32", (16, 16))
+    y2 = Buffer("y2", "output", "float32", (16, 16))
+
+    def copy(out, src):
+        return Kernel("pointwise", out, out.shape, Load(src, 0, (16, 1)), label=out.name)
+
+    kernels = [copy(a, x), copy(y1, a), copy(c, x), copy(y2, c)]
+    plan = memplan.plan_memory(kernels, [])
+    assert plan.arena[id(a)].offset == plan.arena[id(c)].offset == 0   # the reuse
     deps = memplan.dependencies(kernels, plan)
-    assert deps[0] == [] and deps[1] == [0]
+    assert deps[1] == [0]      # read-after-write: y1 reads a
+    assert deps[2] == [1]      # write-after-read: c overwrites a's bytes after y1 read them
+    assert deps[3] == [2]      # read-after-write: y2 reads c
+    # without the reuse there is no such edge: the two chains are independent
+    apart = memplan.MemoryPlan(2048, {id(a): memplan.Placement(a, 0, 1024, 0, 1),
+                                      id(c): memplan.Placement(c, 1024, 1024, 2, 3)}, 0, {})
+    assert memplan.dependencies(kernels, apart) == [[], [0], [], [2]]
 
 
 def test_package_has_sm90_cubins_and_sources(tmp_path):

@@ -1,4 +1,5 @@
-"""`grace inspect` on format 2.0 packages: symbols, buckets and one row per graph (CPU only).
+"""`grace inspect` on packages with shape buckets (since format 2.0): symbols, buckets and one row
+per graph (CPU only).
 
 The packages are built by hand with `grace.formats.write_package` and dummy cubin bytes: inspect
 reads the manifest and the section index, it never loads a binary.

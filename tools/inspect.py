@@ -3,13 +3,16 @@
 `describe(package)` turns a package (from `grace.formats.read_package`) into a plain JSON-able dict;
 the keys are documented in docs/inspect.md and are stable within a format major version.
 `render(description, console)` prints that dict as rich tables for people.
+`kernel_source(package, name)` is one kernel's source text (`grace inspect --source NAME`).
 
-Format 2.0 packages hold one graph per shape bucket: the description lists the symbols (dynamic
-dimensions), the buckets each symbol is split into, and one row per graph with its bounds and
-costs, so the price of the bucket policy (graphs, kernels, padding) is visible without running.
+A package with dynamic dimensions holds one graph per shape bucket: the description lists the
+symbols (dynamic dimensions), the buckets each symbol is split into, and one row per graph with its
+bounds and what it costs (kernels, arena bytes, and whatever numeric `stats` the compiler
+recorded), so the price of the bucket policy is visible without running.
 
 The manifest is read through grace.formats.view (validated, optional keys at their SPEC defaults).
-Torch-free: only grace.formats, and rich for `render`.
+Imports no torch and no numpy: only grace.formats (msgpack; it parses the safetensors layout of
+the weights itself, and inspect never decodes them) and rich for `render`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any, Mapping
 
 from grace.formats.shapes import format_shape_expr
 
-__all__ = ["describe", "render", "human_bytes"]
+__all__ = ["describe", "render", "human_bytes", "kernel_source", "KernelSourceError"]
 
 TOP_ARENA_BUFFERS = 10
 
@@ -58,9 +61,11 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
-def describe(package, path: str | os.PathLike | None = None) -> dict:
+def describe(package, path: str | os.PathLike | None = None, verified: bool = True) -> dict:
     """A JSON-able description of a package from `grace.formats.read_package` (see docs/inspect.md
-    for the keys). It reads the manifest through its validated view (`package.view`)."""
+    for the keys). It reads the manifest through its validated view (`package.view`). `verified`:
+    the package was read with verify=True (its sections hashed), which a valid signature needs to
+    cover every byte; with False the signature entry says so."""
     m = package.view
     path = path if path is not None else package.path
 
@@ -152,7 +157,47 @@ def describe(package, path: str | os.PathLike | None = None) -> dict:
         "kernels": kernel_list,
         "graphs": graph_list,
         "sections": sections,
+        "signature": _signature(package, verified),
     }
+
+
+class KernelSourceError(LookupError):
+    """`--source NAME`: the package has no kernel of that name, or that kernel has no source."""
+
+
+# Control characters a terminal would act on (a package is input from anyone): everything below
+# 0x20 but tab and newline, DEL and the C1 range. Generated sources are plain ASCII.
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)] if c not in (0x09, 0x0A)}
+
+
+def kernel_source(package, name: str) -> str:
+    """The source text of kernel `name` (`kernels[i].name`, as `grace inspect` lists them) from
+    its `source` section, with terminal control characters escaped (`\\x1b`). KernelSourceError
+    names the kernels there are when `name` is not one of them, or when it has no source (the
+    format makes sources optional)."""
+    kernels = package.view.kernels
+    by_name = {k.name: k for k in kernels}
+    k = by_name.get(name)
+    if k is None:
+        import difflib
+
+        close = ([n for n in by_name if n.startswith(name)]
+                 or difflib.get_close_matches(name, list(by_name), cutoff=0.5))[:3]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise KernelSourceError(f"no kernel {name!r} in this package{hint}; its kernels are: "
+                                f"{', '.join(by_name)}")
+    if not k.source:
+        raise KernelSourceError(f"kernel {name!r} has no source section in this package")
+    text = bytes(package.section(k.source)).decode("utf-8", errors="replace")
+    return text.translate(_CONTROL)
+
+
+def _signature(package, verified: bool) -> dict | None:
+    """SPEC §7: who signed the package (the key's fingerprint and base64) and whether the signature
+    holds; None when unsigned. Checking it needs `cryptography` (else `valid` is None)."""
+    from grace.formats.signing import signature_status
+
+    return signature_status(package, verified=verified)
 
 
 def _generate(m) -> dict | None:
@@ -270,10 +315,19 @@ def render(d: Mapping, console=None) -> None:
     if d.get("path"):
         hdr.add_row("file", _t(d["path"]))
     hdr.add_row("format", _version_str(d.get("format_version")))
-    hdr.add_row("producer", _t("  ".join(f"{k} {v}" for k, v in prod.items()) or "?"))
+    overrides = prod.get("overrides") if isinstance(prod, Mapping) else None
+    hdr.add_row("producer", _t("  ".join(f"{k} {v}" for k, v in prod.items() if k != "overrides")
+                               or "?"))
+    if overrides:   # GRACE_OVERRIDE (aot/dump.py): not a clean build
+        hdr.add_row("[bold red]overrides[/]",
+                    "[bold red]" + _t(f"NOT A CLEAN BUILD: the sources of {len(overrides)} "
+                                      f"kernel(s) came from GRACE_OVERRIDE: "
+                                      f"{', '.join(map(str, overrides))}") + "[/]")
     hdr.add_row("archs", _t(", ".join(d.get("archs", [])) or "-"))
     if d.get("file_nbytes") is not None:
         hdr.add_row("size", f"{human_bytes(d['file_nbytes'])} ({d['file_nbytes']} bytes)")
+    if "signature" in d:   # a label no longer than "producer": the column keeps its width
+        hdr.add_row("signed", _t(_signature_text(d["signature"])))
     buckets = d.get("buckets") or {}
     if buckets.get("summary"):
         hdr.add_row("graphs", _t(buckets["summary"]))
@@ -359,6 +413,17 @@ def render(d: Mapping, console=None) -> None:
     console.print(t)
 
     _render_graphs(console, d, table)
+
+
+def _signature_text(sig: Mapping | None) -> str:
+    """The header's `signed` row: "no", or who signed and whether the signature holds."""
+    if sig is None:
+        return "no"
+    if sig.get("fingerprint") is None:
+        return f"malformed signature: {sig.get('error')}"
+    state = {True: "valid", False: "INVALID", None: "not checked"}[sig.get("valid")]
+    note = f" ({sig['error']})" if sig.get("error") else ""
+    return f"by {sig['fingerprint']}: {state}{note}"
 
 
 def _render_symbols(console, d: Mapping, table) -> None:

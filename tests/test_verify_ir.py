@@ -1,0 +1,183 @@
+"""The IR verifier (aot/verify_ir.py): real lowerings pass it, and each kind of broken IR is caught
+at the stage that broke it, with a message naming the kernel, the buffer and the numbers."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from grace.aot import compiler, export, fuse, lower, memplan, verify_ir  # noqa: E402
+from grace.aot.ir import Acc, Buffer, Const, Kernel, Load, Op, Reindex, DimMap  # noqa: E402
+from grace.aot.verify_ir import IRVerifyError  # noqa: E402
+from grace.tools import models  # noqa: E402
+
+
+def _lowered(model, *inputs):
+    """(program, fused kernels), each checked as the compiler checks them: the lowering before
+    fusion (which rewrites the producers in place)."""
+    program = lower.lower(export.to_core_aten(export.export_model(model, inputs)))
+    verify_ir.check_kernels(program.kernels, program, "lower")
+    kernels = memplan.drop_empty(fuse.fuse_epilogues(list(program.kernels)))
+    return program, kernels
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return _lowered(models.LlamaBlock().eval(), torch.randn(1, 16, 64))
+
+
+def _pointwise(out, value, label="k"):
+    return Kernel("pointwise", out, out.shape, value, label=label)
+
+
+X = Buffer("x", "input", "float32", (4, 8))
+OUT = Buffer("out", "output", "float32", (4, 8))
+
+
+def test_real_lowerings_pass(llama):
+    program, kernels = llama   # the lowering itself was checked by _lowered
+    verify_ir.check_kernels(kernels, program, "fuse")
+    verify_ir.check_plan(memplan.plan_memory(kernels, program.weights, program.state), kernels,
+                         program)
+
+
+def test_a_load_past_its_buffer_is_caught():
+    # x is [4, 8]: reading it at offset 8 with row stride 8 reaches element 39 of 32
+    bad = _pointwise(OUT, Load(X, 8, (8, 1)), "shifted")
+    with pytest.raises(IRVerifyError) as err:
+        verify_ir.check_kernels([bad], stage="fuse", bucket="main")
+    msg = str(err.value)
+    assert msg.startswith("internal: IR verifier after fuse in bucket main: 1 problem(s)")
+    assert ("kernel #0 (pointwise 'shifted'): epilogue: the load of x (float32[4, 8], 32 "
+            "elements) reads elements [8, 39] over [0..3, 0..7] (offset 8, strides [8, 1])") in msg
+
+
+def test_slices_and_gathers_are_bounded_through_reindex():
+    # out[i, j] = x[i, 2*j + 1] over j < 4: the child index space is rows 0..3, columns 1..7
+    half = Buffer("half", "output", "float32", (4, 4))
+    ok = _pointwise(half, Reindex(Load(X, 0, (8, 1)), [DimMap("dim", 0), DimMap("dim", 1, 2, 1)]))
+    verify_ir.check_kernels([ok])
+    over = _pointwise(half, Reindex(Load(X, 0, (8, 1)), [DimMap("dim", 0), DimMap("dim", 1, 3, 0)]))
+    with pytest.raises(IRVerifyError, match=r"reads elements \[0, 33\] over \[0\.\.3, 0\.\.9\]"):
+        verify_ir.check_kernels([over])
+    # a gather whose index is clamped against a constant size stays inside the table
+    table = Buffer("table", "weight", "float32", (10, 8))
+    ids = Buffer("ids", "input", "int64", (4,))
+    idx = Op("check_index", [Load(ids, 0, (1, 0)), Const(10, "int64")], "int64", param=1)
+    gather = _pointwise(OUT, Reindex(Load(table, 0, (8, 1)), [DimMap("expr", expr=idx),
+                                                            DimMap("dim", 1)]))
+    verify_ir.check_kernels([gather])
+    small = Op("check_index", [Load(ids, 0, (1, 0)), Const(11, "int64")], "int64", param=1)
+    wrong = _pointwise(OUT, Reindex(Load(table, 0, (8, 1)), [DimMap("expr", expr=small),
+                                                           DimMap("dim", 1)]))
+    with pytest.raises(IRVerifyError, match=r"the load of table .* reads elements \[0, 87\]"):
+        verify_ir.check_kernels([wrong])
+
+
+def test_dtypes_must_agree_between_producer_and_consumer():
+    t = Buffer("t", "arena", "float32", (4, 8))
+    load = Load(t, 0, (8, 1))
+    load.dtype = "float16"   # a consumer reading the producer's buffer as another dtype
+    kernels = [_pointwise(t, Load(X, 0, (8, 1)), "producer"), _pointwise(OUT, load, "consumer")]
+    with pytest.raises(IRVerifyError, match=r"kernel #1 \(pointwise 'consumer'\): epilogue: a load "
+                                            r"of t is float16, but the buffer holds float32"):
+        verify_ir.check_kernels(kernels)
+    ints = Buffer("n", "output", "int64", (4, 8))
+    with pytest.raises(IRVerifyError, match="stores a float32 value into n, a buffer of int64"):
+        verify_ir.check_kernels([_pointwise(ints, Load(X, 0, (8, 1)))])
+    cmp = Op("lt", [Load(X, 0, (8, 1)), Const(0.0, "float32")], "float32")
+    with pytest.raises(IRVerifyError, match="comparison lt is float32, not bool"):
+        verify_ir.check_kernels([_pointwise(OUT, cmp)])
+
+
+def test_extents_and_sizes_must_match_the_shapes():
+    k = _pointwise(OUT, Load(X, 0, (8, 1)))
+    k.ext = (None, None, None)
+    with pytest.raises(IRVerifyError, match=r"ext has 3 entries for 2 dims \[4, 8\]"):
+        verify_ir.check_kernels([k])
+    k.ext = (((2, 3),), None)    # bucket factor 2 for a dim of size 4
+    with pytest.raises(IRVerifyError, match=r"ext\[0\] has bucket factors \[2\] \(product 2\) for a "
+                                            r"dim of size 4"):
+        verify_ir.check_kernels([k])
+    wide = Kernel("pointwise", OUT, (4, 16), Load(X, 0, (8, 0)), label="wide")
+    with pytest.raises(IRVerifyError, match=r"writes 64 elements over \[4, 16\] into out"):
+        verify_ir.check_kernels([wide])
+
+
+def test_each_buffer_is_written_once_and_before_it_is_read():
+    t = Buffer("t", "arena", "float32", (4, 8))
+    write = _pointwise(t, Load(X, 0, (8, 1)), "write")
+    read = _pointwise(OUT, Load(t, 0, (8, 1)), "read")
+    with pytest.raises(IRVerifyError, match=r"kernel #1 \(pointwise 'write'\): writes t, which "
+                                            r"kernel #0 already wrote whole"):
+        verify_ir.check_kernels([write, write, read])
+    with pytest.raises(IRVerifyError, match=r"kernel #0 \(pointwise 'read'\): reads t before any "
+                                            r"kernel writes it"):
+        verify_ir.check_kernels([read, write])
+    with pytest.raises(IRVerifyError, match="output out is written by no kernel"):
+        program = type("P", (), {"outputs": [OUT]})()
+        verify_ir.check_kernels([write], program)
+
+
+def test_a_broken_memory_plan_is_caught(llama):
+    program, kernels = llama
+    plan = memplan.plan_memory(kernels, program.weights, program.state)
+    placements = sorted(plan.arena.values(), key=lambda p: p.first)
+    a, b = placements[0], placements[1]   # live together: the second reads the first's value
+    b.offset = a.offset + 64
+    with pytest.raises(IRVerifyError) as err:
+        verify_ir.check_plan(plan, kernels, program, bucket="main")
+    msg = str(err.value)
+    assert "after memplan in bucket main" in msg
+    assert f"{b.buffer.name} is placed at {a.offset + 64}, not a multiple of 256" in msg
+    assert (f"{a.buffer.name} and {b.buffer.name} share bytes while both live" in msg
+            or f"{b.buffer.name} and {a.buffer.name} share bytes while both live" in msg)
+    a.last = a.first - 1 if a.first else 0
+    b.offset = a.offset
+    with pytest.raises(IRVerifyError, match=rf"{a.buffer.name} is used by kernels #\d+\.\.#\d+, "
+                                            rf"but placed live only for"):
+        verify_ir.check_plan(plan, kernels, program)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _compile_until_build(monkeypatch, tmp_path):
+    def stop(*a, **k):
+        raise _Stop
+    monkeypatch.setattr(compiler, "_build_with_progress", stop)
+    ep = torch.export.export(models.MLP().eval(), (torch.randn(4, 64),))
+    with pytest.raises(_Stop):
+        compiler.compile_program(ep, tmp_path / "m.grace", "m", compiler.CompileOptions())
+
+
+def test_the_compiler_runs_it_at_the_stage_that_broke_the_ir(monkeypatch, tmp_path):
+    """A fusion that shifts a load is stopped right after the fuse stage when GRACE_VERIFY is on
+    (as in every test: tests/conftest.py), and goes unnoticed to the build when it is off."""
+    real = fuse.fuse_epilogues
+
+    def broken(kernels):
+        out = real(kernels)
+        a = out[0].inputs["a"]
+        out[0].inputs["a"] = Load(a.buf, a.offset + 64, a.strides)   # one row too far
+        return out
+
+    monkeypatch.setattr(fuse, "fuse_epilogues", broken)
+    monkeypatch.setenv("GRACE_VERIFY", "1")
+    with pytest.raises(IRVerifyError, match=r"after fuse in bucket main: 1 problem.*\n.*kernel #0 "
+                                            r"\(matmul '[^']+'\): a: the load of x .* reads "
+                                            r"elements \[64, 319\]"):
+        compiler.compile_program(torch.export.export(models.MLP().eval(), (torch.randn(4, 64),)),
+                                 tmp_path / "m.grace", "m", compiler.CompileOptions())
+    monkeypatch.setenv("GRACE_VERIFY", "0")
+    _compile_until_build(monkeypatch, tmp_path)
+
+
+def test_every_family_has_an_index_space_rule():
+    """A family the verifier does not know is reported (so its loads do not go unchecked)."""
+    k = Kernel("histogram", OUT, OUT.shape, Acc(), {"src": Load(X, 0, (8, 1))})
+    with pytest.raises(IRVerifyError, match="family 'histogram' has no index-space rule"):
+        verify_ir.check_kernels([k])
