@@ -26,18 +26,21 @@ The lifecycle, module by module:
                       prefill run() -> one launch of the generation graph (graph.GenerationGraph:
                       the decode graph inside a WHILE conditional node) -> the new token ids
 
+load(path, trusted_keys=[...]) (or GRACE_TRUSTED_KEYS) refuses a package that is not signed by one
+of those ed25519 keys (grace.formats.signing; the check imports `cryptography`, `grace[sign]`).
+
 Importing this package never imports torch, triton, or the CUDA driver; the driver is loaded by the
 first load(). Without a GPU, load() raises NoDeviceError; use `grace run --interpret` instead.
 """
 
 from .arrays import DeviceArray
 from .errors import (GraceRuntimeError, IndexOutOfRangeError, InputError, InvalidPackageError,
-                     NoDeviceError, PackageMismatchError, StaleOutputError)
+                     NoDeviceError, PackageMismatchError, StaleOutputError, UntrustedPackageError)
 from .package import LoadedPackage, TensorSpec, load
 from .session import Session
 
 __all__ = [
     "load", "LoadedPackage", "Session", "DeviceArray", "TensorSpec",
     "GraceRuntimeError", "NoDeviceError", "InputError", "StaleOutputError", "PackageMismatchError",
-    "InvalidPackageError", "IndexOutOfRangeError",
+    "InvalidPackageError", "IndexOutOfRangeError", "UntrustedPackageError",
 ]

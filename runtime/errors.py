@@ -1,8 +1,12 @@
 """The errors the runtime raises. Each says what went wrong and what to do about it.
 
 All of them derive from GraceRuntimeError, so `except GraceRuntimeError` catches anything the runtime
-refuses. A bad package file is reported by grace.formats (FormatError) before the runtime looks at it.
+refuses. A bad package file is reported by grace.formats (FormatError) before the runtime looks at it,
+and so is a package without a signature by a trusted key (UntrustedPackageError, defined in
+grace.formats.signing and re-exported here: the CPU executor and the CLI raise the same class).
 """
+
+from grace.formats.signing import UntrustedPackageError  # noqa: F401 - re-exported
 
 
 class GraceRuntimeError(RuntimeError):
@@ -36,6 +40,13 @@ class PackageMismatchError(GraceRuntimeError):
 class InvalidPackageError(GraceRuntimeError):
     """The manifest passed the format checks but contradicts itself (a kernel argument outside its
     region, a node that depends on a later node, ...). A compiler bug or a hand-edited package."""
+
+
+class KernelMismatchError(InvalidPackageError):
+    """A kernel's binary contradicts the manifest: the driver reports another parameter count or
+    parameter size than `params` + `hidden_params` describe, or fewer threads per block than
+    32·num_warps (grace.runtime.abi, checked at load before any graph is built). The message names
+    the kernel and the field."""
 
 
 class IndexOutOfRangeError(GraceRuntimeError, IndexError):

@@ -1,13 +1,18 @@
 """load(): from a `.grace` file to kernels on the GPU and weights in device memory.
 
-    read      grace.formats.read_package: magic, versions, sha256 of every section, the manifest
+    read      grace.formats.read_package: magic, versions, sha256 of every section, (with trusted
+              keys: the signature, grace.formats.signing, before anything is decoded) the manifest
               schema and every cross-reference. That is the package's only check: the runtime
               reads the manifest through grace.formats.view and refuses only what it cannot run
               (kernels that need Triton scratch memory, a GPU no binary is built for)
     plan      symbols, buckets and shape expressions (shapes.ShapePlan); every graph's nodes as
               kernel launches (graph.plan_graph)
     device    cuInit, primary context; the GPU's arch picks the kernel binaries (PackageMismatchError)
-    kernels   cuModuleLoadData + cuModuleGetFunction per kernel; opt in to >48 KiB shared memory
+    races     the race proof of `grace verify` (grace.tools.races) on the manifest: every pair of
+              nodes touching overlapping bytes, one writing, is ordered by edges (InvalidPackageError)
+    kernels   cuModuleLoadData + cuModuleGetFunction per kernel, each checked against its binary
+              (abi.py: parameter count and sizes, threads per block, static + dynamic shared
+              memory; KernelMismatchError); opt in to >48 KiB shared memory
     weights   one cuMemAlloc for the weights region; each tensor copied to base + offset from the
               mapped file, its pages registered (pinned) for the copies (upload.py)
     state     the `state` entries and their initial bytes, decoded once (state.plan_state); every
@@ -28,7 +33,7 @@ import weakref
 
 from grace.formats.view import TensorSpec
 
-from . import driver, graph
+from . import abi, driver, graph
 from .driver import call
 from .checks import plan_index_checks
 from .errors import GraceRuntimeError, InvalidPackageError, PackageMismatchError
@@ -67,20 +72,41 @@ def _check_instantiate(mode) -> None:
         raise ValueError(f"instantiate={mode!r}: expected one of {', '.join(map(repr, INSTANTIATE_MODES))}")
 
 
-def load(path, device: int = 0, instantiate: str = "lazy", pdl: bool = True) -> "LoadedPackage":
+def load(path, device: int = 0, instantiate: str = "lazy", pdl: bool = True,
+         trusted_keys=None) -> "LoadedPackage":
     """Read, validate and load a `.grace` package onto CUDA device `device`. `instantiate`: "lazy"
     (a session instantiates a graph on the first call that selects it) or "eager" (every graph when
     the session is made). `pdl=False` builds the package's programmatic edges as full edges (A/B
-    runs, debugging); on a GPU older than sm_90 they always are (SPEC §5.3)."""
+    runs, debugging); on a GPU older than sm_90 they always are (SPEC §5.3).
+
+    `trusted_keys`: ed25519 public keys (KEY.pub files, their base64 text, or 32 raw bytes); the
+    package must then be signed by one of them (`grace sign`, SPEC §7), else UntrustedPackageError
+    before its manifest is decoded or the GPU is touched. None (the default) applies the
+    deployment's policy: the keys in GRACE_TRUSTED_KEYS when it is set, else no signature check.
+    A check needs `pip install 'grace[sign]'`."""
     _check_instantiate(instantiate)  # before reading the file
-    from grace.formats import read_package  # the reader pulls in safetensors: import on first use
+    # the reader pulls in safetensors: import on first use
+    from grace.formats.signing import read_trusted_package
 
     t0 = time.perf_counter()
-    package = read_package(path)
+    package = read_trusted_package(path, trusted_keys)
     t1 = time.perf_counter()
     loaded = LoadedPackage(package, device, instantiate, pdl)
     loaded.load_stats.update(read_s=t1 - t0, total_s=time.perf_counter() - t0)
     return loaded
+
+
+def _check_races(manifest) -> None:
+    """The race proof of `grace verify` (grace.tools.races, SPEC §5.3), before the GPU is touched:
+    every pair of nodes whose ranges overlap, one writing, is ordered by a path of edges. A package
+    whose kernels do not declare `writes` (before format 3.2) cannot be judged and is not refused.
+    Pure Python on the manifest (no torch, no Triton): a sweep over each resource's ranges."""
+    from grace.tools.races import check_races
+
+    problems = check_races(manifest)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InvalidPackageError(f"the package's graphs race: {problems[0]}{more}")
 
 
 class LoadedPackage:
@@ -93,7 +119,9 @@ class LoadedPackage:
     `state`: the StateEntry list (empty for a stateless package); `generate`: the GeneratePlan, or
     None when the package was compiled without --generate. `load_stats`: seconds spent reading and
     verifying the file (read_s, set by load()), loading kernels (kernels_s) and uploading the weights
-    (weights_s, weights_nbytes, upload: the copy method).
+    (weights_s, weights_nbytes, upload: the copy method). `kernel_info[i]`: what the driver reported
+    about kernel i's binary (abi.check_function: parameter sizes, max threads, static shared memory,
+    registers), checked against the manifest.
     """
 
     def __init__(self, package, device: int = 0, instantiate: str = "lazy", pdl: bool = True):
@@ -101,6 +129,7 @@ class LoadedPackage:
         self.device = None
         self.instantiate = instantiate
         self._modules, self.functions, self.weights_ptr = [], [], None
+        self.kernel_info = []   # per kernel, what the driver reported about its binary (abi.py)
         self._set_condition = None  # (module, function), loaded on the first generate()
         self._sessions = weakref.WeakSet()
         self.manifest = package.manifest
@@ -114,6 +143,7 @@ class LoadedPackage:
         self.index_checks = plan_index_checks(view)  # None: the package has no error word
         self.state = plan_state(package)
         self.generate = GeneratePlan(view, self.state) if view.generate else None
+        _check_races(package.manifest)
         self.load_stats = {}
         self.device = driver.Device(device)
         # programmatic edges need sm_90 (griddepcontrol); full edges are always a correct stand-in
@@ -141,10 +171,18 @@ class LoadedPackage:
                 function = call(cu.cuModuleGetFunction, module, kernel.name.encode())
             except GraceRuntimeError as e:
                 raise InvalidPackageError(f"kernel {kernel.name}: entry point not found in {section} ({e})") from None
+            # the binary itself: parameter count and sizes, threads per block, shared memory
+            self.kernel_info.append(abi.check_function(cu, function, kernel, lambda: self._shared_limit(cu)))
             if kernel.shared > _DEFAULT_SHARED_LIMIT:
                 call(cu.cuFuncSetAttribute, function,
                      cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.shared)
             self.functions.append(function)
+
+    def _shared_limit(self, cu) -> int:
+        """This GPU's opt-in shared memory per block (CU_DEVICE_ATTRIBUTE_..._OPTIN)."""
+        return call(cu.cuDeviceGetAttribute,
+                    cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                    self.device.handle)
 
     def _check_shared_memory(self, cu) -> None:
         """Every kernel's dynamic shared memory within what this GPU grants a block (the format caps
@@ -225,7 +263,7 @@ class LoadedPackage:
             self._set_condition = None
         for module in self._modules:
             call(cu.cuModuleUnload, module)
-        self._modules, self.functions = [], []
+        self._modules, self.functions, self.kernel_info = [], [], []
         device.release()
 
     def __enter__(self):

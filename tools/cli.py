@@ -1,4 +1,4 @@
-"""The `grace` command: compile | check | inspect | run | generate | bench | verify.
+"""The `grace` command: compile | check | inspect | run | generate | bench | verify | keygen | sign.
 
 User errors (a bad or corrupt package, wrong inputs, an op the compiler cannot lower, no GPU) print
 one line to stderr and exit with a non-zero code. Internal errors (a bug in grace) print their
@@ -45,14 +45,49 @@ def _one_line(msg: object) -> str:
     return " ".join(str(msg).split())
 
 
-def _read(path: str, verify: bool = True):
+def _read(path: str, verify: bool = True, trusted_keys=None):
+    """The package at `path`, fully read; with `trusted_keys` (a list) it must be signed by one of
+    them, checked before its manifest is decoded (grace.formats.signing.read_trusted_package)."""
     from grace.formats import read_package
 
     if not os.path.exists(path):
         raise CliError(f"{path}: no such file")
     if os.path.isdir(path):
         raise CliError(f"{path}: is a directory, expected a .grace file")
+    if trusted_keys is not None:
+        from grace.formats.signing import read_trusted_package
+
+        return read_trusted_package(path, trusted_keys)
     return read_package(path, verify=verify)
+
+
+def _trusted_keys(args, launch: bool = True):
+    """The keys a package must be signed by, or None for no check: every --trusted-key (a key given
+    is a key required), else, for commands that launch the package (`launch`), GRACE_TRUSTED_KEYS,
+    the deployment's policy. --require-signature with no key from either is a usage error."""
+    from grace.formats import signing
+
+    keys = list(getattr(args, "trusted_key", None) or [])
+    if not keys and launch:
+        keys = signing.trusted_keys_from_env() or []
+    if keys:
+        return [signing.parse_public_key(k) for k in keys]   # a bad key file: one line, now
+    if getattr(args, "require_signature", False):
+        raise CliError("--require-signature needs the keys to trust: --trusted-key KEY.pub "
+                       f"(repeatable) or {signing.TRUSTED_KEYS_ENV}")
+    return None
+
+
+def _add_trust_flags(parser, launch: bool = True) -> None:
+    """--trusted-key (and, for commands that launch, --require-signature) on a subcommand."""
+    if launch:
+        parser.add_argument("--require-signature", action="store_true",
+                            help="refuse the package unless it is signed by a trusted key (--trusted-key "
+                                 "or GRACE_TRUSTED_KEYS; either alone already requires it), checked "
+                                 "before anything of it is decoded or launched")
+    parser.add_argument("--trusted-key", action="append", default=[], metavar="KEY.pub",
+                        help="an ed25519 public key the package must be signed by (a KEY.pub file "
+                             "from `grace keygen`, or its base64 text); repeatable: any one of them")
 
 
 def _shape_str(dtype: str, shape) -> str:
@@ -399,6 +434,8 @@ def cmd_compile(args) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
+            # the progress output says it in one line (aot/versions.py)
+            warnings.simplefilter("ignore", aot.versions.ProducerVersionWarning)
             path = aot.compile(ep, output=output, archs=tuple(archs), name=name, progress=True,
                                fp32_matmul=args.fp32_matmul, **extra)
     except ValueError as e:   # an op refused: the compile stops at the first, the check lists all
@@ -433,7 +470,12 @@ def cmd_inspect(args) -> int:
     from grace.tools.inspect import describe, render
 
     pkg = _read(args.package, verify=not args.no_verify)
-    desc = describe(pkg, path=args.package)
+    if args.source:   # one kernel's source, as the package holds it (names: `grace inspect`)
+        from grace.tools.inspect import kernel_source
+
+        sys.stdout.write(kernel_source(pkg, args.source))
+        return 0
+    desc = describe(pkg, path=args.package, verified=not args.no_verify)
     if args.json:
         print(json.dumps(desc, indent=2))
     else:
@@ -446,8 +488,13 @@ def cmd_inspect(args) -> int:
 
 def cmd_verify(args) -> int:
     import grace.formats as formats
+    from grace.formats.signing import signature_status
 
-    pkg = _read(args.package, verify=True)
+    keys = _trusted_keys(args, launch=False)   # verify reads: only --trusted-key asks for trust
+    pkg = _read(args.package, verify=True, trusted_keys=keys)
+    signature = signature_status(pkg)
+    if signature is not None and signature["valid"] is False:   # a signature that lies: tampered
+        raise CliError(f"{args.package}: signature refused: {signature['error']}")
     validate = getattr(formats, "validate_manifest", None)
     if callable(validate):
         validate(pkg.manifest)
@@ -472,10 +519,18 @@ def cmd_verify(args) -> int:
         raise CliError(f"{args.package}: {len(problems)} ordering problem(s){more}")
     reason = unchecked_reason(pkg.manifest)
     races = "graphs race-free" if reason is None else "race check skipped"
+    if signature is None:
+        signed = "not signed"
+    elif signature["valid"]:
+        signed = f"signed by {signature['fingerprint']} (valid{', trusted' if keys else ''})"
+    else:
+        signed = f"signed by {signature['fingerprint']} (signature not checked)"
     print(f"OK {args.package}: format {version}, {len(sections)} sections verified (sha256), manifest valid, "
-          f"{races}")
+          f"{races}, {signed}")
     if reason:
         print(f"note: {reason}", file=sys.stderr)
+    if signature is not None and signature["valid"] is None:
+        print(f"note: {_one_line(signature['error'])}", file=sys.stderr)
     return 0
 
 
@@ -483,17 +538,20 @@ def cmd_run(args) -> int:
     import numpy as np
     from rich.console import Console
 
-    pkg = _read(args.package, verify=True)
+    keys = _trusted_keys(args)
+    pkg = _read(args.package, verify=True, trusted_keys=keys)
     inputs = _parse_inputs(args.input, pkg.manifest)
     poison = not args.no_poison
     t0 = time.perf_counter()
     if args.interpret:
-        outputs = _interpreter().run_package(pkg, inputs, poison=poison)
+        # keys: checked again by the executor itself (None: it applies the same policy)
+        trust = {} if keys is None else {"trusted_keys": keys}
+        outputs = _interpreter().run_package(pkg, inputs, poison=poison, **trust)
         mode = "interpreter (CPU)"
     else:
         rt = _runtime()
         try:
-            loaded = rt.load(args.package, device=args.device)
+            loaded = rt.load(args.package, device=args.device, trusted_keys=keys)
             sess = loaded.session(poison=poison)
             dev_out = sess.run(**inputs)
             sess.sync()
@@ -533,7 +591,8 @@ def _load_prompt(path: str):
 def cmd_generate(args) -> int:
     import numpy as np
 
-    pkg = _read(args.package, verify=True)
+    keys = _trusted_keys(args)
+    pkg = _read(args.package, verify=True, trusted_keys=keys)
     if not pkg.manifest.get("generate"):
         raise CliError(f"{args.package} was not compiled with --generate, so it cannot generate; compile "
                        "it with `grace compile ... --generate tokens=NAME,positions=NAME`")
@@ -542,12 +601,13 @@ def cmd_generate(args) -> int:
     prompt = _load_prompt(args.prompt)
     t0 = time.perf_counter()
     if args.interpret:
-        tokens = _interpreter().generate_package(pkg, prompt, args.max_new_tokens, args.eos)
+        trust = {} if keys is None else {"trusted_keys": keys}
+        tokens = _interpreter().generate_package(pkg, prompt, args.max_new_tokens, args.eos, **trust)
         mode = "interpreter (CPU)"
     else:
         rt = _runtime()
         try:
-            sess = rt.load(args.package, device=args.device).session()
+            sess = rt.load(args.package, device=args.device, trusted_keys=keys).session()
             t0 = time.perf_counter()  # the generation, not the load
             tokens = sess.generate(prompt, args.max_new_tokens, eos_token_id=args.eos)
         except getattr(rt, "NoDeviceError", ()) as e:
@@ -609,11 +669,12 @@ def cmd_bench(args) -> int:
 
     if args.iters < 1 or args.warmup < 0:
         raise CliError("--iters must be >= 1 and --warmup >= 0")
-    pkg = _read(args.package, verify=True)
+    keys = _trusted_keys(args)
+    pkg = _read(args.package, verify=True, trusted_keys=keys)
     inputs = _random_inputs(pkg.manifest, sizes=_symbol_sizes(pkg.manifest, args.size))
     rt = _runtime()
     try:
-        loaded = rt.load(args.package, device=args.device)
+        loaded = rt.load(args.package, device=args.device, trusted_keys=keys)
         sess = loaded.session()
         for _ in range(args.warmup):
             sess.run(**inputs)
@@ -644,6 +705,45 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_keygen(args) -> int:
+    from grace.formats import signing
+
+    out = args.output
+    if out.endswith(("/", os.sep)) or os.path.isdir(out):
+        raise CliError(f"-o {out}: is a directory; give the private key's file name, e.g. -o {Path(out) / 'release.key'}")
+    parent = Path(out).absolute().parent
+    if not parent.is_dir():
+        raise CliError(f"-o {out}: {parent} is not a directory")
+    public = signing.write_keypair(out)
+    print(f"wrote {out} (private key, PKCS#8 PEM, mode 0600: keep it secret) and {out}.pub (public key)")
+    print(f"public key {signing.public_key_text(public)}  fingerprint {signing.fingerprint(public)}")
+    return 0
+
+
+def cmd_sign(args) -> int:
+    from grace.formats import signing
+
+    if not os.path.exists(args.package):
+        raise CliError(f"{args.package}: no such file")
+    if os.path.isdir(args.package):
+        raise CliError(f"{args.package}: is a directory, expected a .grace file")
+    if not os.path.isfile(args.key):
+        raise CliError(f"--key {args.key}: no such file (make a key with `grace keygen -o KEY`)")
+    output = None
+    if args.output:
+        out = check_output(args.output, Path(args.package).stem)
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)   # as compile makes them
+        output = str(out)
+    result = signing.sign_package(args.package, args.key, output)
+    replaced = ""
+    if result.replaced is not None:
+        same = result.replaced.public_key == result.signature.public_key
+        replaced = (" (re-signed by the same key)" if same else
+                    f" (replaced the signature by {result.replaced.fingerprint})")
+    print(f"signed {result.path} by {result.signature.fingerprint}{replaced}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------
 # parser
 # ------------------------------------------------------------------------------------------------
@@ -661,6 +761,8 @@ examples:
   grace generate lm.grace --prompt ids.npy --max-new-tokens 32 --output new.npy
   grace bench model.grace --iters 200
   grace verify model.grace
+  grace keygen -o release.key && grace sign model.grace --key release.key
+  grace run model.grace --input x=x.npy --trusted-key release.key.pub   # refuses unsigned packages
 
 exit codes: 0 ok, 1 error (grace check: an op cannot be lowered), 2 no usable GPU (or a usage error)
 --traceback (anywhere on the line) shows the full traceback of an error
@@ -816,13 +918,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="show what is inside a package",
         description="Show a package's header, inputs/outputs, argument table, memory plan, kernels and graphs. "
         "--json prints the same information as JSON (keys documented in docs/inspect.md).",
-        epilog="examples:\n  grace inspect model.grace\n  grace inspect model.grace --json | jq '.kernels[].name'\n",
+        epilog="examples:\n  grace inspect model.grace\n  grace inspect model.grace --json | jq '.kernels[].name'\n"
+        "  grace inspect model.grace --source matmul_3fa9c2d1e0ab\n",
         formatter_class=_Formatter,
         parents=[common],
     )
     i.add_argument("package", metavar="MODEL.grace")
     i.add_argument("--json", action="store_true", help="print JSON instead of tables")
     i.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the sections (faster)")
+    i.add_argument("--source", metavar="KERNEL", help="print the Triton source of one kernel (a name from "
+                   "the kernels table) instead")
     i.set_defaults(func=cmd_inspect)
 
     r = sub.add_parser(
@@ -846,6 +951,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--interpret", action="store_true", help="run on the CPU with Triton's interpreter (no GPU)")
     r.add_argument("--no-poison", action="store_true", help="do not fill the arena with NaN before running")
     r.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    _add_trust_flags(r)
     r.set_defaults(func=cmd_run)
 
     g = sub.add_parser(
@@ -871,6 +977,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", metavar="TOKENS.npy", help="write the new token ids (int64) to this .npy file")
     g.add_argument("--interpret", action="store_true", help="run on the CPU with Triton's interpreter (no GPU)")
     g.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
+    _add_trust_flags(g)
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser(
@@ -891,6 +998,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--size", action="append", default=[], metavar="NAME=VALUE",
                    help="value of a size symbol (repeatable; default: each at its maximum, which "
                    "runs the largest bucket)")
+    _add_trust_flags(b)
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser(
@@ -900,13 +1008,53 @@ def build_parser() -> argparse.ArgumentParser:
         "then check every kernel source against the Triton subset grace emits (what --interpret may run), "
         "and prove its graphs race-free: every two nodes whose memory overlaps, one writing, are ordered "
         "by edges, and kernels behind programmatic edges read only weights before gdc_wait() "
-        "(docs/design-pdl.md). Prints OK, or the problems found (exit 1).",
-        epilog="examples:\n  grace verify model.grace\n",
+        "(docs/design-pdl.md). Reports the package's signature (SPEC §7): who signed it (key "
+        "fingerprint) and whether it holds; a signature that does not hold is an error, and "
+        "--trusted-key requires one by that key. Prints OK, or the problems found (exit 1).",
+        epilog="examples:\n  grace verify model.grace\n"
+        "  grace verify model.grace --trusted-key release.key.pub   # exit 1 unless signed by it\n",
         formatter_class=_Formatter,
         parents=[common],
     )
     v.add_argument("package", metavar="MODEL.grace")
+    _add_trust_flags(v, launch=False)
     v.set_defaults(func=cmd_verify)
+
+    kg = sub.add_parser(
+        "keygen",
+        help="make an ed25519 key pair for signing packages",
+        description="Make an ed25519 key pair (SPEC §7): the private key is written to KEY (PKCS#8 PEM, "
+        "unencrypted, mode 0600; openssl reads it) and the public key to KEY.pub (one line: the base64 "
+        "of the raw 32-byte key). Prints the public key and its fingerprint. Existing files are never "
+        "overwritten. Keeping the private key safe is yours to do. Needs the [sign] extra (cryptography).",
+        epilog="examples:\n  grace keygen -o release.key        # release.key, release.key.pub\n",
+        formatter_class=_Formatter,
+        parents=[common],
+    )
+    kg.add_argument("-o", "--output", required=True, metavar="KEY", help="private key file to write")
+    kg.set_defaults(func=cmd_keygen)
+
+    sg = sub.add_parser(
+        "sign",
+        help="sign a package with an ed25519 key",
+        description="Sign a package (SPEC §7): its structure (header and section index: every section's "
+        "size and sha256, the manifest's sha256) is signed with the private key and the signature stored "
+        "as the package's `signature` section, so the package stays one file and no byte of it can change "
+        "without the signature failing. An existing signature is replaced. The package is verified first "
+        "(a broken one is not signed). Loaders given --trusted-key (grace run, bench, generate; "
+        "grace.runtime.load(..., trusted_keys=...); GRACE_TRUSTED_KEYS) then refuse any package not "
+        "signed by a trusted key. Needs the [sign] extra (cryptography).",
+        epilog="examples:\n  grace sign model.grace --key release.key                 # in place\n"
+        "  grace sign model.grace --key release.key -o model.signed.grace\n"
+        "  grace verify model.signed.grace --trusted-key release.key.pub\n",
+        formatter_class=_Formatter,
+        parents=[common],
+    )
+    sg.add_argument("package", metavar="MODEL.grace")
+    sg.add_argument("--key", required=True, metavar="KEY", help="the private key (from `grace keygen`)")
+    sg.add_argument("-o", "--output", metavar="OUT.grace", help="write the signed package here (default: "
+                    "replace MODEL.grace, atomically)")
+    sg.set_defaults(func=cmd_sign)
     return p
 
 

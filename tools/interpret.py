@@ -28,6 +28,9 @@ a kernel wrote into the extents words. The result is a dict that also says which
 Limits: Triton 3.6's interpreter computes wrong results for bfloat16 (see docs/architecture.md), so
 packages touching bf16 are refused.
 
+Signed packages (SPEC §7): `trusted_keys=` (or GRACE_TRUSTED_KEYS) refuses, as grace.runtime.load
+does, a package that no trusted key signed, before any of its kernels is imported.
+
 This module imports torch and triton; `grace.runtime` never imports it.
 """
 
@@ -402,11 +405,15 @@ def table_words(manifest, buffers: Mapping[str, Any], values=None) -> list[int]:
 # ----------------------------------------------------------------------------------------------
 
 
-def _open(package_or_path):
-    if isinstance(package_or_path, (str, os.PathLike)):
-        from grace.formats import read_package
+def _open(package_or_path, trusted_keys=None):
+    """The Package to run. With `trusted_keys` (or GRACE_TRUSTED_KEYS; None: that policy) it must be
+    signed by one of them, as grace.runtime.load requires (SPEC §7): a path is checked before its
+    manifest is decoded, a Package already read is hashed again and checked."""
+    from grace.formats import signing
 
-        return read_package(package_or_path, verify=True)
+    if isinstance(package_or_path, (str, os.PathLike)):
+        return signing.read_trusted_package(package_or_path, trusted_keys)
+    signing.check_package(package_or_path, trusted_keys)
     return package_or_path
 
 
@@ -450,6 +457,7 @@ def run_package(
     *,
     poison: bool = True,
     graph: str | None = None,
+    trusted_keys=None,
 ) -> InterpretResult:
     """Run a `.grace` package on the CPU with Triton's interpreter; return its outputs (numpy copies
     with their true shapes) as an InterpretResult, which also names the graph that ran.
@@ -458,26 +466,29 @@ def run_package(
     numpy array (or CPU torch tensor) of the package's dtype, of any size its symbols allow. The
     graph is selected as the GPU runtime selects it; `graph=` names another one that covers the sizes.
     A package with session state runs from its initial state; use `InterpretSession` to keep it.
+    `trusted_keys`: as for grace.runtime.load (a signature by one of them is required).
     """
-    return InterpretSession(package_or_path, poison=poison).run(inputs, graph=graph)
+    return InterpretSession(package_or_path, poison=poison,
+                            trusted_keys=trusted_keys).run(inputs, graph=graph)
 
 
 def generate_package(package_or_path, prompt_ids, max_new_tokens: int, eos_token_id=None, *,
-                     poison: bool = True) -> np.ndarray:
+                     poison: bool = True, trusted_keys=None) -> np.ndarray:
     """Greedy generation on the CPU, the same sequence of kernels as the GPU runtime's generate()."""
-    return InterpretSession(package_or_path, poison=poison).generate(prompt_ids, max_new_tokens,
-                                                                     eos_token_id)
+    return InterpretSession(package_or_path, poison=poison,
+                            trusted_keys=trusted_keys).generate(prompt_ids, max_new_tokens, eos_token_id)
 
 
 class InterpretSession:
     """The CPU twin of a runtime Session: the package's regions as byte tensors, with the session
     state (KV caches) kept across run() calls until reset_state()."""
 
-    def __init__(self, package_or_path, poison: bool = True, max_host_nbytes: int | None = None):
+    def __init__(self, package_or_path, poison: bool = True, max_host_nbytes: int | None = None,
+                 trusted_keys=None):
         import torch
         from grace.runtime.shapes import ShapePlan
 
-        self.package = _open(package_or_path)
+        self.package = _open(package_or_path, trusted_keys)
         self.manifest = self.package.manifest
         self.view = view = self.package.view   # read_package validated it
         _check_no_bf16(view)
