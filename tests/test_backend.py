@@ -41,10 +41,10 @@ class Graphs:
     """The GraceGraphs made since this object was: what grace served and built."""
 
     def __init__(self):
-        self.before = set(map(id, B.compiled_graphs()))
+        self.before = list(B.compiled_graphs())  # held: a freed graph's id is reused
 
     def new(self) -> list:
-        return [g for g in B.compiled_graphs() if id(g) not in self.before]
+        return [g for g in B.compiled_graphs() if not any(g is old for old in self.before)]
 
 
 def grace_warnings(caught) -> list[str]:

