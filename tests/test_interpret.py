@@ -335,3 +335,19 @@ def test_compiling_after_interpreting_in_the_same_process(tmp_path, jobs):
     r = subprocess.run([sys.executable, "-c", _COMPILE_AFTER_INTERPRET, str(tmp_path), str(jobs)],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "compiled after interpreting" in r.stdout, r.stderr[-3000:]
+
+
+def test_a_kernel_pointed_at_another_kernels_source_is_refused(fp32_pkg, pkg_dir):
+    """Two kernels' source sections swapped (hashes recomputed, as anyone can): each source is valid
+    codegen output, so only source_sha256 tells that it is not the code this kernel was built from."""
+    from grace.formats import write_package
+
+    m = fp32_pkg.manifest
+    srcs = [k["source"] for k in m["kernels"] if k.get("source")]
+    assert len(srcs) >= 2
+    sections = {n: bytes(fp32_pkg.section(n)) for n in fp32_pkg.section_names}
+    sections[srcs[0]], sections[srcs[1]] = sections[srcs[1]], sections[srcs[0]]
+    path = pkg_dir / "swapped.grace"
+    write_package(path, m, sections)
+    with pytest.raises(InterpretError, match="is not this kernel's source"):
+        run_package(str(path), {"x": _x()})

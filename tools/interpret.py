@@ -271,6 +271,11 @@ def _kernel_function(kernel, package) -> Any:
     except SourceRefused as e:
         raise InterpretError(f"kernel {name!r}: kernel source refused, nothing from it was run: {e}") from None
     sha = hashlib.sha256(raw).hexdigest()
+    if kernel.source_sha256 is not None and sha != kernel.source_sha256:
+        # the section index can point a kernel at another kernel's (valid) source: refuse to run
+        # code that is not the one this kernel was compiled from
+        raise InterpretError(f"kernel {name!r}: source section {section!r} is not this kernel's source "
+                             f"(sha256 {sha[:12]}..., the manifest says {kernel.source_sha256[:12]}...)")
     mod = _load_kernel_module(source, sha)
     fn = getattr(mod, name, None)
     if fn is None:
