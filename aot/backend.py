@@ -567,9 +567,42 @@ def _export(gm, plan: _Plan, weights: list, inputs: list, options: BackendOption
             ep = torch.export.export(module, tuple(inputs),
                                      dynamic_shapes=tuple(specs) if any(specs) else None, strict=False)
         except Exception as exc:  # noqa: BLE001
-            raise _Fallback(f"torch.export of the graph failed: {_describe(exc)}") from exc
+            if not any(specs) or "Constraints violated" not in str(exc):
+                raise _Fallback(f"torch.export of the graph failed: {_describe(exc)}") from exc
+            # torch 2.11's export refuses some ranges Dynamo reports (seen on the H200 for a
+            # LlamaBlock's sequence): let export infer each dynamic dim's range (Dim.AUTO) and
+            # keep the buckets inside the range it found
+            auto = tuple(({d: Dim.AUTO for d in spec} if spec else None) for spec in specs)
+            try:
+                ep = torch.export.export(module, tuple(inputs), dynamic_shapes=auto, strict=False)
+            except Exception as exc2:  # noqa: BLE001
+                raise _Fallback(f"torch.export of the graph failed: {_describe(exc)}") from exc2
+            buckets = _buckets_within(ep, plan, buckets)
     _check_program(ep, plan)
     return ep, buckets
+
+
+def _buckets_within(ep, plan: _Plan, buckets: dict) -> dict:
+    """`buckets` cut to the ranges torch.export inferred (Dim.AUTO); a dim it made static has none."""
+    users = set(ep.graph_signature.user_inputs)
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in users]
+    out = {}
+    for k, spec in enumerate(plan.dims):
+        for d, e in (spec or {}).items():
+            name = plan.symbols[e].name
+            if name not in buckets or name in out or k >= len(placeholders):
+                continue
+            size = placeholders[k].meta["val"].shape[d]
+            if isinstance(size, int):
+                continue
+            rng = ep.range_constraints.get(size.node.expr)
+            try:
+                upper = int(rng.upper)
+            except (AttributeError, TypeError, ValueError, OverflowError):  # unbounded
+                out[name] = list(buckets[name])
+                continue
+            out[name] = [b for b in buckets[name] if b < upper] + [upper]
+    return out
 
 
 def _check_program(ep, plan: _Plan) -> None:

@@ -196,6 +196,37 @@ def test_mark_dynamic_is_served_from_buckets_without_recompiling():
     assert counters["stats"]["unique_graphs"] - before == 1
 
 
+def test_a_range_export_refuses_is_inferred_instead(monkeypatch):
+    """torch 2.11's export refused the Dim built from Dynamo's range for a LlamaBlock's sequence
+    ('Constraints violated', on the H200): the backend exports again with Dim.AUTO and cuts the
+    buckets to the range export found (LlamaBlock's rotary tables: at most 128)."""
+    real = torch.export.export
+
+    def picky(*args, **kwargs):
+        shapes = kwargs.get("dynamic_shapes") or ()
+        if any(type(v).__name__ != "_DimHint" for spec in shapes if spec for v in spec.values()):
+            raise torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION,
+                                              "Constraints violated (x_1)! (as torch 2.11 said)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", picky)
+    torch.manual_seed(0)
+    model, graphs = models.LlamaBlock().eval(), Graphs()
+    compiled = torch.compile(model, backend="grace", options={"buckets": {"x.1": [16, 64, 512]}})
+    x = torch.randn(1, 10, 64)
+    torch._dynamo.mark_dynamic(x, 1)
+    with torch.no_grad():
+        for n, bucket in ((10, "x.1=16"), (40, "x.1=64")):
+            xn = x if n == 10 else torch.randn(1, n, 64)
+            y, warned = run(compiled, xn)
+            assert not warned, warned
+            assert rel(y, model(xn)) < 1e-5
+            (g,) = graphs.new()
+            assert g.last_graph == bucket
+    symbol = read_package(g.paths[0]).manifest["symbols"][0]
+    assert (symbol["name"], symbol["max"]) == ("x.1", 128)
+
+
 def test_dynamo_ranges_and_automatic_dynamic_shapes():
     """mark_dynamic(max=) is the package's range (grace's default buckets up to it); automatic
     dynamic (a second size recompiles with a dynamic dim) is bounded by options['max_size']."""

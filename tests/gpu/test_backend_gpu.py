@@ -105,10 +105,6 @@ def test_backend_matches_eager(case, dtype):
           f"{[p.name for g in new for p in g.paths]}")
 
 
-@pytest.mark.xfail(torch.__version__ < "2.13", strict=True, reason=(
-    "on the H200's torch 2.11 the graph falls back to eager: torch.export of Dynamo's graph with the "
-    "Dim the backend derives from Dynamo's range reports 'Constraints violated (x_1)' (seen "
-    "2026-12-01); the CPU counterpart in tests/test_backend.py passes with torch 2.13"))
 def test_backend_dynamic_sequence_is_served_from_buckets():
     """mark_dynamic on the sequence: one Dynamo graph, one package, every length from its buckets."""
     from torch._dynamo.utils import counters
