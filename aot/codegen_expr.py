@@ -13,6 +13,8 @@ import math
 
 import sympy
 
+from grace.formats.dtypes import POINTER_TYPES
+
 from .ir import (ERRORS, EXTENTS, FLOATS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape,
                  SymValue, compute_dtype, contiguous_strides, is_contiguous, numel)
 from .ops import FLOAT_OPERANDS, SAME_TYPE_OPERANDS, TEMPLATES  # what each Op means
@@ -23,10 +25,7 @@ TL_TYPE = {
     "bfloat16": "tl.bfloat16", "int64": "tl.int64", "int32": "tl.int32", "int16": "tl.int16",
     "int8": "tl.int8", "uint8": "tl.uint8", "bool": "tl.int1",
 }
-PTR_TYPE = {
-    "float64": "*fp64", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16",
-    "int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1",
-}
+PTR_TYPE = POINTER_TYPES  # formats.dtypes: the cross-check reads the same table
 
 
 class NotBeforeWait(Exception):

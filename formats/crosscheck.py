@@ -45,15 +45,11 @@ import bisect
 import heapq
 
 from . import limits
-from .dtypes import DTYPES
+from .dtypes import DTYPES, POINTER_TYPES
 from .errors import ManifestError
 from .shapes import eval_shape_expr, format_shape_expr
 from .table import WORD_NBYTES, slot_nbytes, word_positions
 
-# the pointer type a kernel parameter has when it was generated for a buffer of this dtype
-POINTER_TYPES = {"float64": "*fp64", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16",
-                 "int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8",
-                 "bool": "*i1"}
 TABLE_KINDS = ("slot", "extents", "errors", "table")     # descriptors of table ranges
 NAMED_KINDS = ("weights", "state", "arena")              # descriptors naming a buffer
 PLAN_ALIGN = 16   # pointer parameters are compiled assuming 16-byte alignment (tt.divisibility)

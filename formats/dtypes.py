@@ -21,6 +21,13 @@ DTYPES: dict[str, tuple[int, str]] = {
 
 SAFETENSORS_TO_DTYPE: dict[str, str] = {code: name for name, (_, code) in DTYPES.items()}
 
+# the Triton pointer type of a kernel parameter generated for a buffer of this dtype: the compiler
+# writes it into `kernels[i].params`, the cross-check (formats.crosscheck) expects it back
+POINTER_TYPES: dict[str, str] = {
+    "float64": "*fp64", "float32": "*fp32", "float16": "*fp16", "bfloat16": "*bf16",
+    "int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8", "uint8": "*u8", "bool": "*i1",
+}
+
 
 def itemsize(dtype: str) -> int:
     return DTYPES[dtype][0]
