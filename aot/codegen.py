@@ -34,6 +34,9 @@ class KernelSource:
     num_warps: int
     num_stages: int
     writes: list = field(default_factory=list)   # indices of the parameters it stores through
+    # PDL: the kernel loads weights before its gdc_wait(), so launching it early overlaps work
+    # (only such kernels are the targets of programmatic edges: aot/package.py)
+    prefetches: bool = False
 
 
 def stored_params(text: str) -> list[int]:
@@ -77,7 +80,7 @@ def _generate(kernel: Kernel, symbols, pdl: bool, prefetch: bool) -> KernelSourc
     name = f"{kernel.family}_{digest}"
     return KernelSource(name, kernel.family, text.replace("def KERNEL(", f"def {name}("),
                         w.param_types(), list(w.params), grid, num_warps, num_stages,
-                        stored_params(text))
+                        stored_params(text), pdl and bool(w.pre_wait))
 
 
 def _store(w: Writer, kernel: Kernel, value: str, ctx: Ctx, shape_expr: str):

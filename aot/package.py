@@ -224,8 +224,12 @@ def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, exten
         node = {"kernel": unique[src.name], "grid": list(src.grid),
                 "args": [_arg(b, g.plan, slots, extents, errors) for b in src.buffers],
                 "deps": node_deps, "label": kernel.label}
-        programmatic = [d for d in node_deps if d != 0] if pdl else []
-        if programmatic:   # kernel -> kernel edges; the table writer's (node 0) stay full (SPEC §5)
+        # Programmatic only into a kernel that has weight loads to run before its wait: one that
+        # would wait at once gains nothing from launching early and parks CTAs on multiprocessors
+        # the kernel before it still needs (measured: every encoder got slower, design-pdl.md).
+        # Kernel -> kernel edges only; the table writer's (node 0) stay full (SPEC §5).
+        programmatic = [d for d in node_deps if d != 0] if pdl and src.prefetches else []
+        if programmatic:
             node["programmatic"] = programmatic
         uses.setdefault(node["kernel"], []).append(
             _use(index, len(nodes), src.grid, [_describe(b, slots, extents) for b in src.buffers]))

@@ -68,9 +68,17 @@ def test_sm90_has_programmatic_edges_and_sm80_none(builds):
     full80, prog80 = _edges(m80)
     assert prog90 > 0 and prog80 == 0
     assert full90 + prog90 == full80 + prog80   # the same dependencies, only their kind differs
+    pkg = read_package(builds["sm_90"])
     for g in m90["graphs"]:
         for node in g["nodes"]:
-            assert set(node.get("programmatic", [])) == set(node["deps"]) - {0}
+            # programmatic exactly into the kernels that load weights before their wait (the
+            # per-edge rule, docs/design-pdl.md); the table writer's edges stay full
+            kernel = m90["kernels"][node["kernel"]]
+            src = bytes(pkg.section(kernel["source"])).decode() if "source" in kernel else ""
+            early = src.split("gdc_launch_dependents()")[-1].split("gdc_wait()")[0] \
+                if "gdc_wait()" in src else ""
+            expected = set(node["deps"]) - {0} if "tl.load" in early else set()
+            assert set(node.get("programmatic", [])) == expected
 
 
 def test_sources_wait_in_pdl_builds_only(builds):
@@ -215,16 +223,22 @@ def test_pdl_is_off_by_default(tmp_path):
 
 
 def test_data_dependent_sizes_are_race_free_with_pdl(tmp_path):
-    """Kernels that write extents words (nonzero, .item()) and the kernels that read them."""
+    """Kernels that write extents words (nonzero, .item()) and the kernels that read them, one of
+    them (a linear layer over k rows) the target of programmatic edges."""
     class Select(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(1, 8)
+
         def forward(self, x, n):
             picked = x[x > 0]                 # a data-dependent size
             k = n.item()
             torch._check(k >= 0)
             torch._check(k <= 16)
-            return picked * 2, x[:k] + 1, torch.nonzero(x < 0)
+            return picked * 2, x[:k] + 1, torch.nonzero(x < 0), self.lin((x[:k] * 3).unsqueeze(1))
 
-    path = grace_compile(Select(), (torch.randn(16), torch.tensor(5)), output=tmp_path / "sel.grace",
+    model = Select().eval()
+    path = grace_compile(model, (torch.randn(16), torch.tensor(5)), output=tmp_path / "sel.grace",
                          progress=False, pdl=True)
     pkg = read_package(path)
     assert pkg.manifest["symbols"] and _edges(pkg.manifest)[1] > 0
@@ -236,3 +250,6 @@ def test_data_dependent_sizes_are_race_free_with_pdl(tmp_path):
     np.testing.assert_allclose(got[0], x[x > 0] * 2, rtol=1e-6)
     np.testing.assert_allclose(got[1], x[:5] + 1, rtol=1e-6)
     np.testing.assert_array_equal(got[2].reshape(-1), np.nonzero(x < 0)[0])
+    with torch.no_grad():
+        want = model.lin(torch.from_numpy(x[:5] * 3).unsqueeze(1)).numpy()
+    np.testing.assert_allclose(got[3], want, rtol=1e-5, atol=1e-6)
