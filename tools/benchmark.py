@@ -77,15 +77,32 @@ def _models():
     """name -> factory returning (model, make_input); imported lazily (timm only on the GPU box)."""
     import torch
 
-    def vit_s():
-        import timm
-        return (timm.create_model("vit_small_patch16_224", pretrained=False).eval(),
-                lambda: torch.randn(1, 3, 224, 224, device="cuda"))
+    def vit_s(dtype):
+        def make():
+            import timm
+            torch.manual_seed(0)
+            model = timm.create_model("vit_small_patch16_224", pretrained=False).eval().to(dtype)
+            return model, lambda: torch.randn(1, 3, 224, 224, device="cuda", dtype=dtype)
+        return make
 
-    def gpt2_6l():
-        from grace.tools import models
-        return (models.hf_gpt2(n_layer=6, n_embd=768, n_head=12, vocab=50257, n_positions=1024),
-                lambda: torch.randint(0, 50257, (1, 32), device="cuda"))
+    def gpt2_6l(dtype):
+        def make():
+            from grace.tools import models
+            torch.manual_seed(0)
+            model = models.hf_gpt2(n_layer=6, n_embd=768, n_head=12, vocab=50257,
+                                   n_positions=1024).to(dtype)
+            return model, lambda: torch.randint(0, 50257, (1, 32), device="cuda")
+        return make
+
+    def mobilebert(dtype):
+        def make():   # google/mobilebert-uncased's configuration (24 layers), random weights
+            from transformers import MobileBertConfig, MobileBertModel
+            from grace.tools.models import _first_output
+            torch.manual_seed(0)
+            cfg = MobileBertConfig(attn_implementation="sdpa")
+            model = _first_output(MobileBertModel(cfg, add_pooling_layer=False).eval()).to(dtype)
+            return model, lambda: torch.randint(0, cfg.vocab_size, (1, 128), device="cuda")
+        return make
 
     def cnn(name, dtype):
         def make():
@@ -95,13 +112,19 @@ def _models():
             return model, lambda: torch.randn(1, 3, 224, 224, device="cuda", dtype=dtype)
         return make
 
-    found = {"vit_s": vit_s, "gpt2_6l": gpt2_6l}
+    found = {}
+    for name, make in (("vit_s", vit_s), ("gpt2_6l", gpt2_6l), ("mobilebert", mobilebert)):
+        found[name] = make(torch.float32)
+        found[f"{name}_bf16"] = make(torch.bfloat16)
     for name in CNNS:
         found[name] = cnn(name, torch.float32)
         found[f"{name}_bf16"] = cnn(name, torch.bfloat16)
     return found
 
 
+# static transformers: timm ViT-S/16 (224x224), HF GPT-2 with 6 layers (32 tokens), HF MobileBERT
+# (128 tokens); random weights, batch 1; `<name>_bf16` runs the same model in bf16
+TRANSFORMERS = ("vit_s", "gpt2_6l", "mobilebert")
 # timm CNNs (random weights, batch 1, 224x224); `<name>_bf16` runs the same model in bf16
 CNNS = ("resnet50", "mobilenetv3_small_100", "efficientnet_b0", "convnext_tiny", "regnety_002")
 
@@ -683,8 +706,9 @@ def build_parser() -> argparse.ArgumentParser:
                                  description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="vit_s,gpt2_6l",
-                    help="comma-separated workloads: vit_s, gpt2_6l, the timm CNNs "
-                         f"{', '.join(CNNS)} (each also as <name>_bf16) (static), "
+                    help="comma-separated workloads: the transformers "
+                         f"{', '.join(TRANSFORMERS)} and the timm CNNs {', '.join(CNNS)} (each "
+                         "also as <name>_bf16) (static), "
                          "bert_base_dyn (dynamic sequence length); default vit_s,gpt2_6l")
     ap.add_argument("--iters", type=int, default=100, help="calls per timed sample (default 100)")
     ap.add_argument("--repeats", type=int, default=5, help="samples; the median is reported (default 5)")
@@ -719,8 +743,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = build_parser()
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
-    known = (("vit_s", "gpt2_6l") + CNNS + tuple(f"{n}_bf16" for n in CNNS)
-             + DYNAMIC_MODELS)
+    static = TRANSFORMERS + CNNS
+    known = static + tuple(f"{n}_bf16" for n in static) + DYNAMIC_MODELS
     unknown = [n for n in names if n not in known]
     if unknown or not names:
         ap.error(f"--models: unknown workload {', '.join(unknown) or '(none given)'}; "
