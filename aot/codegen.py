@@ -4,6 +4,10 @@ Each template fixes the index variables and the loop structure, and lets `ExprEm
 the operands (prologues) and the stored value (epilogue). Sizes are literals in the source, so
 identical layers give byte-identical sources and are compiled once. The function name is derived
 from the source's hash for the same reason.
+
+A template reads its kernel's spec (aot/families.py, which also maps each family to its template)
+and never decides what lowering already did: the tile plans (`gemm_plan`, `attention_plan`) are
+computed by lowering, which needs their splits, and stored in the spec.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from dataclasses import dataclass, field
 from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, NotBeforeWait, Writer, and_mask, factor_terms
 from .ir import EXTENTS, Index, Kernel, contiguous_strides, loads, numel
 from .shapes import is_prefix, true_size
+from .gemm_tiles import Tile
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
 # Programmatic dependent launch (docs/design-pdl.md): a kernel lets the next one launch at once,
@@ -66,7 +71,8 @@ def generate(kernel: Kernel, symbols: dict | None = None, pdl: bool = False) -> 
 
 
 def _generate(kernel: Kernel, symbols, pdl: bool, prefetch: bool) -> KernelSource:
-    template = TEMPLATES[kernel.family]
+    from .families import of   # the registry names the templates below, so it imports this module
+    template = of(kernel).template
     w = Writer(symbols, prefetch=prefetch)
     grid, num_warps, num_stages = template(kernel, w)
     names = w.param_names()
@@ -164,7 +170,7 @@ def scatter(kernel: Kernel, w: Writer):
     shape = kernel.out.shape
     strides = contiguous_strides(shape)
     terms, bounds = [], []
-    for d, coord in enumerate(kernel.inputs["coords"]):
+    for d, coord in enumerate(kernel.spec.coords):
         c = emitter.value(coord, ctx)
         if not isinstance(coord, Index):
             bounds.append(f"({c} >= 0) & ({c} < {shape[d]})")
@@ -176,7 +182,7 @@ def scatter(kernel: Kernel, w: Writer):
     # accumulate: index_put(accumulate=True), scatter_add, scatter_reduce sum/amax/amin —
     # duplicate destinations combine atomically (float sums in an unspecified order)
     store = {None: "tl.store", "add": "tl.atomic_add", "max": "tl.atomic_max",
-             "min": "tl.atomic_min"}[kernel.inputs.get("accumulate")]
+             "min": "tl.atomic_min"}[kernel.spec.accumulate]
     w.emit(f"{store}({w.ptr(kernel.out)} + tl.broadcast_to({addr}, [{block}]), "
            f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[kernel.out.dtype]}){store_mask})")
     return _flat_launch(kernel, block)
@@ -186,18 +192,19 @@ def scatter(kernel: Kernel, w: Writer):
 REDUCE_INIT = {"sum": "0", "max": '-float("inf")', "min": 'float("inf")'}
 
 
-def _row_blocks(w: Writer, inp: dict, start_acc) -> tuple[int, int, int, Ctx]:
+def _row_blocks(w: Writer, spec, start_acc) -> tuple[int, int, int, Ctx]:
     """The loop both reductions share: programs of `br` rows (the kept dimensions, flattened),
     each walking the reduced dimensions (flattened) in blocks of `bn` columns, masked past their
     end and the true extents. `start_acc(br, bn)` emits the accumulators before the loop. Leaves
-    the writer inside the loop; returns (rows, cols, br, the index context of a block)."""
-    src_shape, rdims = inp["src_shape"], inp["rdims"]
+    the writer inside the loop; returns (rows, cols, br, the index context of a block). `spec`:
+    a Reduction or an Argreduce."""
+    src_shape, rdims = spec.src_shape, spec.rdims
     kept = [d for d in range(len(src_shape)) if d not in rdims]
     rows = numel([src_shape[d] for d in kept])
     cols = numel([src_shape[d] for d in rdims])
     bn = min(next_pow2(max(cols, 2)), 1024)
     br = max(1, min(next_pow2(rows), 4096 // bn, 64))
-    src_ext = inp.get("src_ext") or (None,) * len(src_shape)
+    src_ext = spec.src_ext or (None,) * len(src_shape)
     w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
     w.emit(f"rmask = rows < {rows}")
     kept_ctx = Ctx(w, [src_shape[d] for d in kept], linear="rows")
@@ -240,9 +247,9 @@ UNROLL_MIN_ROWS = 4096
 
 
 def _unrolled_rows(kernel: Kernel) -> bool:
-    inp = kernel.inputs
-    src_shape, rdims = inp["src_shape"], inp["rdims"]
-    src_ext = inp.get("src_ext") or (None,) * len(src_shape)
+    spec = kernel.spec
+    src_shape, rdims = spec.src_shape, spec.rdims
+    src_ext = spec.src_ext or (None,) * len(src_shape)
     cols = numel([src_shape[d] for d in rdims])
     rows = numel(src_shape) // max(cols, 1)
     return (1 < cols <= UNROLL_TAPS and rows >= UNROLL_MIN_ROWS
@@ -250,9 +257,9 @@ def _unrolled_rows(kernel: Kernel) -> bool:
 
 
 def _unrolled_reduction(kernel: Kernel, w: Writer, op: str, init: str, tl_acc: str):
-    inp = kernel.inputs
-    src_shape, rdims = inp["src_shape"], inp["rdims"]
-    src_ext = inp.get("src_ext") or (None,) * len(src_shape)
+    spec = kernel.spec
+    src_shape, rdims = spec.src_shape, spec.rdims
+    src_ext = spec.src_ext or (None,) * len(src_shape)
     kept = [d for d in range(len(src_shape)) if d not in rdims]
     rows = numel([src_shape[d] for d in kept])
     cols = numel([src_shape[d] for d in rdims])
@@ -272,7 +279,7 @@ def _unrolled_reduction(kernel: Kernel, w: Writer, op: str, init: str, tl_acc: s
     for i, d in enumerate(rdims):
         dims[d] = red_ctx.dim(i)
     ctx = Ctx(w, src_shape, dims, mask="rmask", zero="zero")
-    value = ExprEmitter(w).value(inp["src"], ctx)
+    value = ExprEmitter(w).value(spec.src, ctx)
     combine = {"sum": "acc + {v}", "max": "tl.maximum(acc, {v})", "min": "tl.minimum(acc, {v})"}[op]
     w.emit("acc = " + combine.format(v=f"tl.where(rmask, {value}.to({tl_acc}), {init})"))
     w.indent -= 1
@@ -281,8 +288,8 @@ def _unrolled_reduction(kernel: Kernel, w: Writer, op: str, init: str, tl_acc: s
 
 
 def reduction(kernel: Kernel, w: Writer):
-    inp = kernel.inputs
-    op, acc_t = inp["op"], inp["acc_dtype"]
+    spec = kernel.spec
+    op, acc_t = spec.op, spec.acc_dtype
     init = REDUCE_INIT[op]
     if not acc_t.startswith("float") and op != "sum":
         init = "-9223372036854775807" if op == "max" else "9223372036854775807"
@@ -290,8 +297,8 @@ def reduction(kernel: Kernel, w: Writer):
     if _unrolled_rows(kernel):
         return _unrolled_reduction(kernel, w, op, init, tl_acc)
     rows, _, br, ctx = _row_blocks(
-        w, inp, lambda br, bn: w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})"))
-    value = ExprEmitter(w).value(inp["src"], ctx)
+        w, spec, lambda br, bn: w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})"))
+    value = ExprEmitter(w).value(spec.src, ctx)
     w.emit(f"value = tl.where(mask, {value}.to({tl_acc}), {init})")
     combine = {"sum": "acc + value", "max": "tl.maximum(acc, value)",
                "min": "tl.minimum(acc, value)"}[op]
@@ -333,7 +340,7 @@ def _row_loop(w: Writer, cols, bn, col_entry=None):
 def softmax(kernel: Kernel, w: Writer):
     shape = kernel.out_shape
     rows, cols, br, bn = _row_setup(kernel, w, shape)
-    src = kernel.inputs["src"]
+    src = kernel.spec.src
     # fp64 softmax computes in fp64 (torch's softmax(dtype=float64)); everything else in fp32
     acc = "tl.float64" if kernel.out.dtype == "float64" else "tl.float32"
     w.emit(f"m = tl.full([{br}, 1], -float(\"inf\"), {acc})")
@@ -350,7 +357,7 @@ def softmax(kernel: Kernel, w: Writer):
     _row_loop(w, cols, bn, col_entry)
     ctx = _row_ctx(w, shape, cols)
     x = ExprEmitter(w).value(src, ctx)
-    if kernel.inputs["log"]:
+    if kernel.spec.log:
         w.emit(f"y = {x}.to({acc}) - m - tl.log(s)")
     else:
         w.emit(f"y = tl.exp({x}.to({acc}) - m) / s")
@@ -363,29 +370,29 @@ def softmax(kernel: Kernel, w: Writer):
 def layer_norm(kernel: Kernel, w: Writer):
     shape = kernel.out_shape
     rows, cols, br, bn = _row_setup(kernel, w, shape)
-    inp = kernel.inputs
+    spec = kernel.spec
     w.emit(f"total = tl.zeros([{br}, 1], tl.float32)")
     _row_loop(w, cols, bn)
-    x = ExprEmitter(w).value(inp["src"], _row_ctx(w, shape, cols))
+    x = ExprEmitter(w).value(spec.src, _row_ctx(w, shape, cols))
     w.emit(f"total += tl.sum(tl.where(mask, {x}.to(tl.float32), 0.0), axis=1)[:, None]")
     w.indent -= 1
     w.emit(f"mean = total / {cols}")
     w.emit(f"sq = tl.zeros([{br}, 1], tl.float32)")
     _row_loop(w, cols, bn)
-    x = ExprEmitter(w).value(inp["src"], _row_ctx(w, shape, cols))
+    x = ExprEmitter(w).value(spec.src, _row_ctx(w, shape, cols))
     w.emit(f"d = tl.where(mask, {x}.to(tl.float32) - mean, 0.0)")
     w.emit("sq += tl.sum(d * d, axis=1)[:, None]")
     w.indent -= 1
-    w.emit(f"rstd = tl.rsqrt(sq / {cols} + {inp['eps']!r})")
+    w.emit(f"rstd = tl.rsqrt(sq / {cols} + {spec.eps!r})")
     _row_loop(w, cols, bn)
     ctx = _row_ctx(w, shape, cols)
     emitter = ExprEmitter(w)
-    x = emitter.value(inp["src"], ctx)
+    x = emitter.value(spec.src, ctx)
     w.emit(f"y = ({x}.to(tl.float32) - mean) * rstd")
-    if "weight" in inp:
-        w.emit(f"y = y * {emitter.value(inp['weight'], ctx)}.to(tl.float32)")
-    if "bias" in inp:
-        w.emit(f"y = y + {emitter.value(inp['bias'], ctx)}.to(tl.float32)")
+    if spec.weight is not None:
+        w.emit(f"y = y * {emitter.value(spec.weight, ctx)}.to(tl.float32)")
+    if spec.bias is not None:
+        w.emit(f"y = y + {emitter.value(spec.bias, ctx)}.to(tl.float32)")
     value = ExprEmitter(w, acc="y").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{br}, {bn}]")
     w.indent -= 1
@@ -402,26 +409,28 @@ def _dot_dtype(*exprs) -> str:
 
 
 def matmul(kernel: Kernel, w: Writer):
-    inp = kernel.inputs
-    m, n, k, batch = inp["m"], inp["n"], inp["k"], inp["batch"]
-    split = inp.get("split", 1)
-    dot_t = _dot_dtype(inp["a"], inp["b"])
-    plan = gemm_plan(m, n, k, batch, 2 if dot_t != "float32" else 4)
+    spec = kernel.spec
+    m, n, k, batch = spec.m, spec.n, spec.k, spec.batch
+    plan = spec.plan
     if plan.gemv:
         return _gemv(kernel, w, plan)
-    bm, bn, bk = plan.bm, plan.bn, plan.bk
+    bm, bn, bk, split = plan.bm, plan.bn, plan.bk, plan.split
+    dot_t = _dot_dtype(spec.a, spec.b)
     prec = ""
     if dot_t == "float32":
-        prec = f", input_precision=\"{inp['fp32_precision']}\""
+        prec = f", input_precision=\"{spec.fp32_precision}\""
     ext = kernel.ext or (None, None, None)
-    k_ext = inp.get("k_ext")
+    k_ext = spec.k_ext
     skip_k = k_ext is not None and is_prefix(k_ext)
     even_k = k % (bk * split) == 0 and k_ext is None
     chunk = cdiv(cdiv(k, split), bk) * bk if split > 1 else k
     tl_dot = TL_TYPE[dot_t]
     # With PDL the first K step's weight tiles are loaded before gdc_wait(), while the kernels
     # before this one finish (the weight operand of a linear layer: docs/design-pdl.md).
-    early = [op for op in ("a", "b") if w.prefetch and not skip_k and _weights_only(inp[op])]
+    # Only for a few rows, where streaming the weights is the work (PDL_PREFETCH_MAX_M).
+    operands = {"a": spec.a, "b": spec.b}
+    early = [op for op in operands if w.prefetch and not skip_k and _weights_only(operands[op])
+             and m <= PDL_PREFETCH_MAX_M]
 
     def ids():
         w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
@@ -456,7 +465,7 @@ def matmul(kernel: Kernel, w: Writer):
                 f"(rk[:, None] < {k})", _dim_valid(w, k_ext, "rk[:, None]")), n_term())
             ctx = Ctx(w, (batch, k, n), ["bz", "rk[:, None]", "rn[None, :]"], mask=mask,
                       zero="zero_b")
-        value = ExprEmitter(w).value(inp[op], ctx)
+        value = ExprEmitter(w).value(operands[op], ctx)
         var = f"{op}{'_early' if kk == 'early' else ''}"
         w.emit(f"{var} = {_masked(value, mask)}.to({tl_dot})")
         return var
@@ -503,8 +512,8 @@ def matmul(kernel: Kernel, w: Writer):
               linear=f"(bz * {m * n} + rm[:, None] * {n} + rn[None, :])", mask=mask, zero="zero")
     value = ExprEmitter(w, acc="acc").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bm}, {bn}]")
-    warps = 4 if bm * bn <= 64 * 64 else 8
-    return (cdiv(m, bm), cdiv(n, bn), batch * split), warps, 3
+    warps = plan.warps or (4 if bm * bn <= 64 * 64 else 8)
+    return (cdiv(m, bm), cdiv(n, bn), batch * split), warps, plan.stages or 3
 
 
 def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
@@ -513,14 +522,15 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     (a 1-row MMA tile wastes 15/16 of them) and no split-K (a program per `bn` output columns
     gives enough programs, and no second kernel to sum partials): on the H200 this beat cuBLAS
     on every Llama decode shape (docs/gemv-sweep-2026-12-01.json)."""
-    inp = kernel.inputs
-    n, k, batch = inp["n"], inp["k"], inp["batch"]
+    spec = kernel.spec
+    n, k, batch = spec.n, spec.k, spec.batch
     bn, bk = plan.bn, plan.bk
     ext = kernel.ext or (None, None, None)
-    k_ext = inp.get("k_ext")
+    k_ext = spec.k_ext
     skip_k = k_ext is not None and is_prefix(k_ext)
     even_k = k % bk == 0 and k_ext is None
-    early = [op for op in ("a", "b") if w.prefetch and not skip_k and _weights_only(inp[op])]
+    operands = {"a": spec.a, "b": spec.b}
+    early = [op for op in operands if w.prefetch and not skip_k and _weights_only(operands[op])]
 
     def ids():
         w.emit(f"rn = tl.program_id(0) * {bn} + tl.arange(0, {bn})")
@@ -541,7 +551,7 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
             w.emit(f"zero_b = tl.zeros([{bn}, {bk}], tl.int32)")
             ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn[:, None]"], mask=mask,
                       zero="zero_b")
-        value = ExprEmitter(w).value(inp[op], ctx)
+        value = ExprEmitter(w).value(operands[op], ctx)
         var = f"{op}{'_early' if kk == 'early' else ''}"
         w.emit(f"{var} = {_masked(value, mask)}.to(tl.float32)")
         return var
@@ -583,9 +593,13 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     return (cdiv(n, bn), batch, 1), 4, 1
 
 
-SM_COUNT = 132  # H100/H200; a grid smaller than this leaves multiprocessors idle
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
+# PDL: GEMMs of at most this many rows load their first weight tile before gdc_wait() and so are
+# the targets of programmatic edges. Measured on the H200 (docs/performance.md, sixth session):
+# programmatic edges into MobileBERT's M=128 GEMMs made it 23% faster, into GPT-2's M=32 ones
+# neutral, into ViT-S's M=197 ones 16% slower (the kernels themselves cost the same either way).
+PDL_PREFETCH_MAX_M = 128
 
 
 def _weights_only(expr) -> bool:
@@ -615,27 +629,42 @@ def _masked(value: str, mask: str) -> str:
 
 @dataclass(frozen=True)
 class GemmPlan:
+    """A GEMM's tiles, decided once by lowering (gemm_plan) and kept in its spec
+    (families.Matmul.plan): lowering emits the split-K reduction, the template tiles by it."""
+
     bm: int
     bn: int
     bk: int
     split: int       # split-K factor: partial sums are reduced by a second kernel
     gemv: bool = False   # M = 1: the GEMV template (bn output columns per program, no MMA)
+    # from a measured tile (gemm_tiles.py); 0: the template's default for the tile
+    warps: int = 0
+    stages: int = 0
 
 
 GEMV_TILE = 2048   # weight elements per program per K step: 2 rows x 1024 was within 5% of the
                    # best tile on all twelve Llama-1B/8B decode shapes (docs/gemv-sweep-*.json)
 
 
-def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int) -> GemmPlan:
-    """Tiles for a batch-1-sized GEMM. One row of A: a GEMV, when its programs fill the chip or K
-    is short enough that a program's serial walk is. Otherwise the largest output tile that
-    still gives every multiprocessor a program; a K step as deep as ~32 KiB of operands per
-    pipeline stage allows (few, deep iterations hide load latency); and split-K when even the
-    smallest tiles leave most of the chip idle and K is deep."""
+def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
+              measured: Tile | None = None) -> GemmPlan:
+    """Tiles for a batch-1-sized GEMM on a part with `sm_count` multiprocessors (a grid smaller
+    than that leaves some idle). `measured`: the GPU's measured tile for this shape (M >= 128,
+    gemm_tiles.measured_tile), taken as it is, without split-K (it was timed whole). One row of
+    A: a GEMV, when its programs fill the chip or K is short enough that a program's serial walk
+    is. Otherwise the largest output tile that still gives every multiprocessor a program; a K
+    step as deep as ~32 KiB of operands per pipeline stage allows (few, deep iterations hide load
+    latency); and split-K when even the smallest tiles leave most of the chip idle and K is
+    deep."""
+    if measured is not None:
+        return GemmPlan(min(measured.bm, max(16, next_pow2(m))),
+                        min(measured.bn, max(32, next_pow2(n))),
+                        min(measured.bk, max(16, next_pow2(k))), 1,
+                        warps=measured.warps, stages=measured.stages)
     if m == 1:
         bk = min(1024, max(16, next_pow2(k)))
         bn = min(max(2, GEMV_TILE // bk), max(2, next_pow2(n)))
-        if cdiv(n, bn) * batch >= SM_COUNT // 2 or k <= 8192:
+        if cdiv(n, bn) * batch >= sm_count // 2 or k <= 8192:
             return GemmPlan(1, bn, bk, 1, gemv=True)
     # (32, 32) is left out: with tf32x3 and a deep K step it ran 2-5x slower than both its
     # neighbours on the H200 (docs/performance.md, run 8).
@@ -645,28 +674,28 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int) -> GemmPlan:
             and (bm >= GEMM_MIN_BM or m < GEMM_MIN_BM)]
     bm, bn = fits[-1]
     for cand in fits:
-        if cdiv(m, cand[0]) * cdiv(n, cand[1]) * batch >= SM_COUNT:
+        if cdiv(m, cand[0]) * cdiv(n, cand[1]) * batch >= sm_count:
             bm, bn = cand
             break
     bk = 1 << ((32768 // ((bm + bn) * itemsize)).bit_length() - 1)
     bk = max(16, min(bk, 256, next_pow2(k)))
     programs = cdiv(m, bm) * cdiv(n, bn) * batch
     split = 1
-    while programs * split * 2 <= 2 * SM_COUNT and k // (split * 2) >= 4 * bk:
+    while programs * split * 2 <= 2 * sm_count and k // (split * 2) >= 4 * bk:
         split *= 2
     return GemmPlan(bm, bn, bk, split)
 
 
 # ---- attention --------------------------------------------------------------------------------
 def attention(kernel: Kernel, w: Writer):
-    p = kernel.inputs
-    b, h, lq, lk, d, dv = p["b"], p["h"], p["lq"], p["lk"], p["d"], p["dv"]
-    dot_t = _dot_dtype(p["q"], p["k"], p["v"])
+    p = kernel.spec
+    b, h, lq, lk, d, dv = p.b, p.h, p.lq, p.lk, p.d, p.dv
+    dot_t = _dot_dtype(p.q, p.k, p.v)
     tl_dot = TL_TYPE[dot_t]
-    bm, bn, split = attention_plan(b, h, lq, lk)
+    bm, bn, split = p.plan.bm, p.plan.bn, p.plan.split
     chunk = lk // split
     bd, bdv = max(16, next_pow2(d)), max(16, next_pow2(dv))
-    prec = f", input_precision=\"{p['fp32_precision']}\"" if dot_t == "float32" else ""
+    prec = f", input_precision=\"{p.fp32_precision}\"" if dot_t == "float32" else ""
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
     w.emit("bh = tl.program_id(1)")
     w.emit(f"ib = bh // {h}")
@@ -674,7 +703,7 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"rd = tl.arange(0, {bd})")
     w.emit(f"rdv = tl.arange(0, {bdv})")
     ext = kernel.ext or (None,) * 4
-    lk_ext = p.get("lk_ext")
+    lk_ext = p.lk_ext
     _exit_beyond(w, ext[2], f"tl.program_id(0) * {bm}")
     _exit_beyond(w, ext[0], "ib")
     _exit_beyond(w, ext[1], "ih")
@@ -686,7 +715,7 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"zero_q = tl.zeros([{bm}, {bd}], tl.int32)")
     qctx = Ctx(w, (b, h, lq, d), ["ib", "ih", "rm[:, None]", "rd[None, :]"], mask=mask_q,
                zero="zero_q")
-    q = ExprEmitter(w).value(p["q"], qctx)
+    q = ExprEmitter(w).value(p.q, qctx)
     w.emit(f"q = {_masked(q, mask_q)}.to({tl_dot})")
     w.emit(f"m_i = tl.full([{bm}], -float(\"inf\"), tl.float32)")
     w.emit(f"l_i = tl.zeros([{bm}], tl.float32)")
@@ -699,7 +728,7 @@ def attention(kernel: Kernel, w: Writer):
         w.indent += 1
         w.emit(f"n0 = tl.program_id(2) * {chunk} + j0")
     skips = []
-    if p["causal"]:
+    if p.causal:
         # key blocks wholly after this query block are masked: skip them
         skips.append(f"(n0 < (tl.program_id(0) + 1) * {bm})")
     if lk_ext is not None and is_prefix(lk_ext):
@@ -716,8 +745,8 @@ def attention(kernel: Kernel, w: Writer):
                        f"(rn[:, None] < {lk})", _dim_valid(w, lk_ext, "rn[:, None]")),
                    None if dv == bdv else f"(rdv[None, :] < {dv})")
     kvalid = _dim_valid(w, lk_ext, "rn[None, :]")
-    masked_block = "mask" in p
-    if "mask" in p:
+    masked_block = p.mask is not None
+    if p.mask is not None:
         # the mask first: a key block it rules out entirely (False, or -inf when additive: a decode
         # step's keys past the current position in a static cache) contributes nothing to the
         # softmax, so it is skipped before its keys and values are loaded
@@ -726,8 +755,8 @@ def attention(kernel: Kernel, w: Writer):
         w.emit(f"zero_s = tl.zeros([{bm}, {bn}], tl.int32)")
         sctx = Ctx(w, (b, h, lq, lk), ["ib", "ih", "rm[:, None]", "rn[None, :]"], mask="mask_s",
                    zero="zero_s")
-        mv = ExprEmitter(w).value(p["mask"], sctx)
-        if p["mask"].dtype == "bool":
+        mv = ExprEmitter(w).value(p.mask, sctx)
+        if p.mask.dtype == "bool":
             w.emit(f"keep = mask_s & ({mv} != 0)")
         else:
             w.emit(f"madd = {mv}.to(tl.float32)")
@@ -738,15 +767,15 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"zero_v = tl.zeros([{bn}, {bdv}], tl.int32)")
     kctx = Ctx(w, (b, h, lk, d), ["ib", "ih", "rn[None, :]", "rd[:, None]"], mask=mask_k,
                zero="zero_k")
-    kt = ExprEmitter(w).value(p["k"], kctx)
+    kt = ExprEmitter(w).value(p.k, kctx)
     w.emit(f"kt = {_masked(kt, mask_k)}.to({tl_dot})")
-    w.emit(f"s = tl.dot(q, kt{prec}) * {p['scale']!r}")
+    w.emit(f"s = tl.dot(q, kt{prec}) * {p.scale!r}")
     w.emit(f"valid = (rn[None, :] < {lk}) & (rm[:, None] >= 0)")
     _and_into(w, "valid", kvalid)
-    if p["causal"]:
+    if p.causal:
         w.emit("valid = valid & (rn[None, :] <= rm[:, None])")
-    if "mask" in p:
-        if p["mask"].dtype == "bool":
+    if p.mask is not None:
+        if p.mask.dtype == "bool":
             w.emit("valid = valid & keep")
         else:
             w.emit("s = s + madd")
@@ -758,7 +787,7 @@ def attention(kernel: Kernel, w: Writer):
     w.emit("l_i = l_i * alpha + tl.sum(pr, axis=1)")
     vctx = Ctx(w, (b, h, lk, dv), ["ib", "ih", "rn[:, None]", "rdv[None, :]"], mask=mask_v,
                zero="zero_v")
-    v = ExprEmitter(w).value(p["v"], vctx)
+    v = ExprEmitter(w).value(p.v, vctx)
     w.emit(f"v = {_masked(v, mask_v)}.to({tl_dot})")
     w.emit(f"acc = acc * alpha[:, None] + tl.dot(pr.to({tl_dot}), v{prec})")
     w.emit("m_i = m_new")
@@ -778,37 +807,48 @@ def attention(kernel: Kernel, w: Writer):
     return (cdiv(lq, bm), b * h, 1), 4, 2
 
 
-def attention_plan(b: int, h: int, lq: int, lk: int) -> tuple[int, int, int]:
-    """(query rows per program, keys per step, key splits). Few query rows and a long key axis
-    (a decode step over a static cache: one program per head would walk 2048 keys serially)
-    split the keys over more programs, each leaving its normalised partial output and
+@dataclass(frozen=True)
+class AttentionPlan:
+    """An attention's tiles, decided once by lowering (attention_plan) and kept in its spec
+    (families.Attention.plan): lowering emits attn_combine when it splits, the template tiles
+    by it."""
+
+    bm: int          # query rows per program
+    bn: int          # keys per step
+    split: int       # key splits (split-KV: partials combined by attn_combine)
+
+
+ATTN_SPLIT_PROGRAMS_PER_SM = 4   # split keys while the programs stay within this many per SM
+
+
+def attention_plan(b: int, h: int, lq: int, lk: int, sm_count: int) -> AttentionPlan:
+    """The tiles of an attention on a part with `sm_count` multiprocessors. Few query rows and a
+    long key axis (a decode step over a static cache: one program per head would walk 2048 keys
+    serially) split the keys over more programs, each leaving its normalised partial output and
     log-sum-exp for a combining kernel (flash-decoding)."""
-    bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < SM_COUNT // 2 else 32  # fill the chip
+    bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < sm_count // 2 else 32  # fill the chip
     bn = 16 if lk <= 16 else 32 if lk <= 32 else 64 if lk <= 64 else ATTN_MAX_BLOCK_N
     programs = cdiv(lq, bm) * b * h
     split = 1
-    while (programs * split * 2 <= ATTN_SPLIT_PROGRAMS and lk % (split * 2 * bn) == 0
-           and lk // (split * 2) >= bn):
+    while (programs * split * 2 <= ATTN_SPLIT_PROGRAMS_PER_SM * sm_count
+           and lk % (split * 2 * bn) == 0 and lk // (split * 2) >= bn):
         split *= 2
-    return bm, bn, split
-
-
-ATTN_SPLIT_PROGRAMS = 4 * SM_COUNT   # split keys while programs stay within this
+    return AttentionPlan(bm, bn, split)
 
 
 def _store_attention_partial(w: Writer, kernel: Kernel, split: int, m_term, bm: int, bdv: int):
     """A key split's output, normalised over its own keys, and its log-sum-exp (-inf when it saw
     no key), into the float32 partial buffer: [split, b*h, lq, dv] outputs, then
     [split, b*h, lq] log-sum-exps."""
-    p = kernel.inputs
-    bh, lq, dv = p["b"] * p["h"], p["lq"], p["dv"]
+    p = kernel.spec
+    bh, lq, dv = p.b * p.h, p.lq, p.dv
     ptr = w.ptr(kernel.out)
     w.emit("seen = l_i > 0")
     w.emit("o = acc / tl.where(seen, l_i, 1.0)[:, None]")
     w.emit("lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -float(\"inf\"))")
     w.emit(f"row = (tl.program_id(2) * {bh} + bh) * {lq} + rm")
     rows = _and_terms(None if lq % bm == 0 else f"(rm < {lq})")
-    mask = _mask(w, "mask", m_term, None if p["dv"] == bdv else f"(rdv[None, :] < {dv})")
+    mask = _mask(w, "mask", m_term, None if p.dv == bdv else f"(rdv[None, :] < {dv})")
     w.emit(f"tl.store({ptr} + row[:, None] * {dv} + rdv[None, :], o"
            + (f", mask={mask})" if mask != "None" else ")"))
     w.emit(f"tl.store({ptr} + {split * bh * lq * dv} + row, lse"
@@ -818,12 +858,12 @@ def _store_attention_partial(w: Writer, kernel: Kernel, split: int, m_term, bm: 
 def attn_combine(kernel: Kernel, w: Writer):
     """The split-KV partials of one attention, combined: each split's output weighted by
     exp(its log-sum-exp - the largest), then the attention's epilogue."""
-    p = kernel.inputs
-    b, h, lq, dv, split = p["b"], p["h"], p["lq"], p["dv"], p["parts"]
+    p = kernel.spec
+    b, h, lq, dv, split = p.b, p.h, p.lq, p.dv, p.parts
     bh = b * h
     bm = min(16, max(2, next_pow2(lq)))
     bdv = max(16, next_pow2(dv))
-    src = w.ptr(p["partial"].buf)
+    src = w.ptr(p.partial.buf)
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
     w.emit("bh = tl.program_id(1)")
     w.emit(f"ib = bh // {h}")
@@ -865,8 +905,8 @@ def compact(kernel: Kernel, w: Writer):
     """Stream compaction in one program: blocks in row-major order, a prefix sum inside each
     block gives every nonzero element its slot after those of earlier blocks; the running count
     ends up in the extents table. Padded elements (the source's extents) never count."""
-    inp = kernel.inputs
-    shape = inp["src_shape"]
+    spec = kernel.spec
+    shape = spec.src_shape
     n, nd = numel(shape), len(shape)
     block = min(1024, next_pow2(max(n, 16)))
     out = w.ptr(kernel.out)
@@ -877,8 +917,8 @@ def compact(kernel: Kernel, w: Writer):
     w.emit(f"inb = offs < {n}")
     w.emit(f"zero = tl.zeros([{block}], tl.int32)")
     ctx = Ctx(w, shape, linear="offs", mask="inb", zero="zero")
-    ctx.mask = and_mask(w, "inb", "inb", ctx.valid(inp.get("src_ext")))
-    value = ExprEmitter(w).value(inp["src"], ctx)
+    ctx.mask = and_mask(w, "inb", "inb", ctx.valid(spec.src_ext))
+    value = ExprEmitter(w).value(spec.src, ctx)
     w.emit(f"flag = (({value}) != 0) & {ctx.mask}")
     w.emit("flag_i = flag.to(tl.int32)")
     w.emit("pos = (count + tl.cumsum(flag_i, 0) - 1).to(tl.int64)")
@@ -886,16 +926,16 @@ def compact(kernel: Kernel, w: Writer):
         w.emit(f"tl.store({out} + pos * {nd} + {d}, ({ctx.dim(d)} + zero).to(tl.int64), mask=flag)")
     w.emit("count += tl.sum(flag_i, 0)")
     w.indent -= 1
-    _store_extent(w, inp["symbol"], "count.to(tl.int64)")
+    _store_extent(w, spec.symbol, "count.to(tl.int64)")
     return (1, 1, 1), 4, 1
 
 
 def to_extent(kernel: Kernel, w: Writer):
     """A tensor's value becomes a size (`n.item()`), clamped to the range torch.export proved."""
-    inp = kernel.inputs
-    value = ExprEmitter(w).value(inp["src"], Ctx(w, ()))
-    w.emit(f"v = tl.minimum(tl.maximum({value}.to(tl.int64), {inp['lo']}), {inp['hi']})")
-    _store_extent(w, inp["symbol"], "v")
+    spec = kernel.spec
+    value = ExprEmitter(w).value(spec.src, Ctx(w, ()))
+    w.emit(f"v = tl.minimum(tl.maximum({value}.to(tl.int64), {spec.lo}), {spec.hi})")
+    _store_extent(w, spec.symbol, "v")
     return (1, 1, 1), 1, 1
 
 
@@ -941,9 +981,9 @@ def argreduce(kernel: Kernel, w: Writer):
     `rdims`: NaN wins (torch), and among equal values the first index. Each lane keeps its best
     key and the column it was first seen at; the lanes are then merged by key, ties to the lower
     column."""
-    inp = kernel.inputs
-    op = inp["op"]
-    dtype = inp["src"].dtype
+    spec = kernel.spec
+    op = spec.op
+    dtype = spec.src.dtype
     bits = _key_bits(dtype)
     kt = "tl.int64" if bits == 64 else "tl.int32"
     lowest = f"-{2**(bits - 1)}"
@@ -953,8 +993,8 @@ def argreduce(kernel: Kernel, w: Writer):
         w.emit(f"best = tl.full([{br}, {bn}], {lowest}, {kt})")
         w.emit(f"besti = tl.zeros([{br}, {bn}], tl.int32)")
 
-    rows, cols, br, ctx = _row_blocks(w, inp, start_acc)
-    value = ExprEmitter(w).value(inp["src"], ctx)
+    rows, cols, br, ctx = _row_blocks(w, spec, start_acc)
+    value = ExprEmitter(w).value(spec.src, ctx)
     key = _order_key(w, value, dtype, flip=op == "min", nan_key=highest)
     w.emit(f"key = tl.where(mask, {key}, {lowest})")
     w.emit("better = key > best")
@@ -971,16 +1011,16 @@ def scan(kernel: Kernel, w: Writer):
     scanned with tl.cumsum / tl.cumprod and combined with the carry of the blocks before it.
     Padding (past the row, past the true extent) holds the identity."""
     shape = kernel.out_shape
-    inp = kernel.inputs
+    spec = kernel.spec
     rows, cols, br, bn = _row_setup(kernel, w, shape)
-    acc_t = TL_TYPE[inp["acc_dtype"]]
-    prod = inp["op"] == "prod"
+    acc_t = TL_TYPE[spec.acc_dtype]
+    prod = spec.op == "prod"
     ident = "1" if prod else "0"
     w.emit(f"carry = tl.full([{br}, 1], {ident}, {acc_t})")
     col_entry = kernel.ext[-1] if kernel.ext else None
     _row_loop(w, cols, bn, col_entry)
     ctx = _row_ctx(w, shape, cols)
-    x = ExprEmitter(w).value(inp["src"], ctx)
+    x = ExprEmitter(w).value(spec.src, ctx)
     w.emit(f"x = tl.where(mask, {x}.to({acc_t}), {ident})")
     if prod:
         w.emit("s = tl.cumprod(x, axis=1) * carry")
@@ -1030,14 +1070,14 @@ def sort(kernel: Kernel, w: Writer):
     (topk). The whole row is one block: a key per element — order key in the high 32 bits, column
     in the low ones, padding last — sorted by a bitonic network, the columns decoded. 64-bit
     values sort (key, column) pairs instead."""
-    inp = kernel.inputs
-    shape = inp["src_shape"]
+    spec = kernel.spec
+    shape = spec.src_shape
     n, k = shape[-1], kernel.out_shape[-1]
     rows = numel(shape) // n
     bn = next_pow2(max(n, 2))
     br = max(1, min(next_pow2(rows), max(1, 2048 // bn), 16))
-    src_ext = inp.get("src_ext") or (None,) * len(shape)
-    descending = inp["descending"]
+    src_ext = spec.src_ext or (None,) * len(shape)
+    descending = spec.descending
     _exit_outer(w, shape[:-1], src_ext[:-1], f"tl.program_id(0) * {br}")
     w.emit(f"rows = tl.program_id(0) * {br} + tl.arange(0, {br})[:, None]")
     w.emit(f"rmask = rows < {rows}")
@@ -1047,8 +1087,8 @@ def sort(kernel: Kernel, w: Writer):
     _and_into(w, "mask", _dim_valid(w, src_ext[-1], "cols"))
     w.emit(f"zero = tl.zeros([{br}, {bn}], tl.int32)")
     ctx = Ctx(w, shape, linear=f"(rows * {n} + cols)", mask="mask", zero="zero")
-    value = ExprEmitter(w).value(inp["src"], ctx)
-    dtype = inp["src"].dtype
+    value = ExprEmitter(w).value(spec.src, ctx)
+    dtype = spec.src.dtype
     wide = _key_bits(dtype) == 64
     top = INT64_MAX if wide else INT32_MAX
     nan_key = f"-{top + 1}" if descending else str(top)
@@ -1069,12 +1109,6 @@ def sort(kernel: Kernel, w: Writer):
     value = ExprEmitter(w, acc="idx").value(kernel.epilogue, out_ctx)
     _store(w, kernel, value, out_ctx, f"[{br}, {bn}]")
     return (cdiv(rows, br), 1, 1), 8 if br * bn >= 4096 else 4 if br * bn >= 256 else 2, 1
-
-
-TEMPLATES = {"pointwise": pointwise, "scatter": scatter, "reduction": reduction, "softmax": softmax,
-             "layer_norm": layer_norm, "matmul": matmul, "attention": attention,
-             "compact": compact, "to_extent": to_extent,
-             "argreduce": argreduce, "scan": scan, "sort": sort, "attn_combine": attn_combine}
 
 
 def table_writer_source(slots: list[dict], extents: dict | None = None) -> KernelSource:

@@ -66,6 +66,7 @@ def load_overrides(unique: dict, folder: str | os.PathLike | None = None) -> dic
     (default: $GRACE_OVERRIDE; {} when unset). `unique`: kernel name -> KernelSource.
     OverrideError for a file that names no kernel of `unique` (listing the kernels there are)."""
     from .codegen import stored_params
+    from .families import FAMILIES
 
     folder = folder if folder is not None else os.environ.get(OVERRIDE_ENV)
     if not folder:
@@ -84,8 +85,9 @@ def load_overrides(unique: dict, folder: str | os.PathLike | None = None) -> dic
         if text == src.source:
             continue   # an unchanged copy of the dump overrides nothing
         # the parameters a kernel stores through (manifest `writes`, for the race checker) follow
-        # the new text; the table writer and the generation step name theirs differently
-        writes = src.writes if src.family in ("table_writer", "generate_step") else stored_params(text)
+        # the new text of a template's kernel (its pointers are p<i>); the sources made outside
+        # the templates (the table writer, the generation step) name theirs differently
+        writes = stored_params(text) if src.family in FAMILIES else src.writes
         replaced[src.name] = replace(src, source=text, writes=writes)
     if unknown:
         raise OverrideError(f"{OVERRIDE_ENV}={folder}: {', '.join(unknown)} name(s) no kernel of this "

@@ -9,11 +9,9 @@ the load, and the producer writes the consumer's buffer directly.
 """
 from __future__ import annotations
 
+from . import families
 from .ir import Kernel, Load, Op, is_contiguous, loads, numel, walk
 from .views import reshape
-
-FUSABLE_PRODUCERS = {"pointwise", "reduction", "softmax", "layer_norm", "matmul", "attention",
-                     "attn_combine"}
 
 
 def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
@@ -61,7 +59,7 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
         producer_of = {id(k.out): i for i, k in enumerate(kernels)}
         readers = _readers(kernels)
         for j, consumer in enumerate(kernels):
-            if consumer.family != "pointwise":
+            if not families.of(consumer).fusable_consumer:
                 continue
             for buf in consumer.reads():
                 i = producer_of.get(id(buf))
@@ -70,8 +68,7 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
                 if consumer.out.dynamic:   # user memory of the true size: stored by its own kernel
                     continue
                 producer = kernels[i]
-                if (producer.family not in FUSABLE_PRODUCERS
-                        or producer.inputs.get("split", 1) > 1):
+                if not families.of(producer).fusable_producer or producer.spec.writes_partials:
                     continue   # split-K / split-KV partials: their reader applies the epilogue
                 if numel(producer.out_shape) != numel(consumer.out_shape):
                     continue

@@ -13,9 +13,11 @@ elements are real is described by extents (`shapes.py`) that kernels evaluate on
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass, field
-from typing import Any
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 from .ops import COSTLY
 
@@ -264,29 +266,112 @@ ERRORS = Buffer("errors", "errors", "int64", (1,))
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Spec:
+    """What a kernel family computes: its operands and settings (aot/families.py has one frozen
+    dataclass per family, and the registry). The fields are the contract between the family's
+    lowering and its template, so a missing or unknown one is a TypeError where the kernel is
+    built; a field annotated as an expression must hold one (`Expr`, `Expr | None` or
+    `tuple[Expr, ...]`), since the IR finds the buffers a kernel reads (the memory plan, the
+    graph's dependencies) only through its expressions (`exprs`)."""
+
+    family: ClassVar[str] = ""
+
+    def __post_init__(self):
+        for name, kind in _expr_fields(type(self)).items():
+            value = getattr(self, name)
+            ok = {"expr": isinstance(value, Expr),
+                  "optional": value is None or isinstance(value, Expr),
+                  "tuple": isinstance(value, tuple) and all(isinstance(v, Expr) for v in value)}
+            if not ok[kind]:
+                raise TypeError(f"{type(self).__name__}.{name} must be an Expr"
+                                f"{' or None' if kind == 'optional' else ''}"
+                                f"{' tuple' if kind == 'tuple' else ''}, "
+                                f"not {type(value).__name__}")
+
+    def exprs(self) -> list[tuple[str, Expr]]:
+        """(field name, expression) for every expression the spec holds, in field order; the
+        elements of a tuple field are named `field[i]`."""
+        found = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Expr):
+                found.append((f.name, value))
+            elif isinstance(value, tuple):
+                found += [(f"{f.name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, Expr)]
+        return found
+
+    # The family's rules, which the IR verifier (aot/verify_ir.py) checks; the families override
+    # them (aot/families.py).
+    def index_spaces(self, out_shape) -> dict:
+        """Field name -> the index space its template evaluates that expression over (every
+        element of a tuple field over the same one); None: read by address, not through an
+        index. An expression field missing here is reported by the verifier."""
+        return {}
+
+    def extents(self) -> list[tuple[str, Any, tuple]]:
+        """(name, extents, shape) for the extents the spec carries beside the kernel's own."""
+        return []
+
+    def shape_problems(self, out_shape) -> list[str]:
+        """How the family's own sizes disagree with the kernel's index space (empty: they agree)."""
+        return []
+
+    def out_elements(self, out_shape) -> int:
+        """The elements the kernel writes into its buffer (the index space, unless it writes
+        partial results laid out its own way)."""
+        return numel(out_shape)
+
+    @property
+    def writes_partials(self) -> bool:
+        """It leaves partial results (split-K sums, split-KV outputs) that a second kernel
+        combines and applies the epilogue to, so nothing can be fused into its store."""
+        return False
+
+
+@functools.cache
+def _expr_fields(cls) -> dict[str, str]:
+    """Field name -> "expr" | "optional" | "tuple" for the fields of a spec class annotated as
+    expressions (resolved once per class)."""
+    hints = typing.get_type_hints(cls)
+    kinds = {}
+    for f in fields(cls):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        if hint is Expr:
+            kinds[f.name] = "expr"
+        elif args and Expr in args and type(None) in args:
+            kinds[f.name] = "optional"
+        elif typing.get_origin(hint) is tuple and args and args[0] is Expr:
+            kinds[f.name] = "tuple"
+    return kinds
+
+
 @dataclass(eq=False)
 class Kernel:
-    """One kernel launch. It computes a value per index of `out_shape` (family-specific: a
-    pointwise expression, a reduction, a GEMM tile, attention) and stores `epilogue` — an
-    expression in which `Acc` is that value — into `out` (contiguous)."""
+    """One kernel launch. It computes a value per index of `out_shape` (what, is its family's
+    `spec`: a pointwise expression, a reduction, a GEMM tile, attention) and stores `epilogue` —
+    an expression in which `Acc` is that value — into `out` (contiguous)."""
 
-    family: str                     # pointwise | reduction | softmax | layer_norm | matmul | attention
+    spec: Spec
     out: Buffer
     out_shape: tuple[int, ...]
     epilogue: Expr
-    inputs: dict[str, Any] = field(default_factory=dict)   # family-specific operands and settings
     label: str = ""
     # extents (shapes.py) of out_shape, per dimension; None = all static
     ext: tuple | None = None
 
+    def __post_init__(self):
+        if not isinstance(self.spec, Spec):
+            raise TypeError(f"a kernel's spec is an ir.Spec (aot/families.py), not "
+                            f"{type(self.spec).__name__}")
+
+    @property
+    def family(self) -> str:
+        return self.spec.family
+
     def exprs(self) -> list[Expr]:
-        found = [self.epilogue]
-        for value in self.inputs.values():
-            if isinstance(value, Expr):
-                found.append(value)
-            elif isinstance(value, tuple):
-                found += [v for v in value if isinstance(v, Expr)]
-        return found
+        return [self.epilogue] + [e for _, e in self.spec.exprs()]
 
     def reads(self) -> list[Buffer]:
         seen: dict[int, Buffer] = {}
@@ -438,7 +523,7 @@ def format_expr(expr: Expr, limit: int | None = None, names: dict | None = None)
 
 
 def _input_text(value, names: dict) -> str:
-    """A kernel's family-specific input: expressions through format_expr, the rest as Python."""
+    """A field of a kernel's spec: expressions through format_expr, the rest as Python."""
     if isinstance(value, Expr):
         return format_expr(value, names=names).replace("\n", "\n      ")
     if isinstance(value, tuple) and any(isinstance(v, Expr) for v in value):
@@ -448,7 +533,7 @@ def _input_text(value, names: dict) -> str:
 
 def format_kernel(kernel: Kernel, index: int | None = None) -> str:
     """A kernel as a few lines: `#index family 'label'`, what it writes (buffer, over which index
-    space, with which extents), each family-specific input, and the epilogue it stores."""
+    space, with which extents), every field of its spec, and the epilogue it stores."""
     head = f"#{index} " if index is not None else ""
     label = f" {kernel.label!r}" if kernel.label else ""
     lines = [f"{head}{kernel.family}{label}",
@@ -457,8 +542,8 @@ def format_kernel(kernel: Kernel, index: int | None = None) -> str:
     reads = ", ".join(b.name for b in kernel.reads())
     lines.append(f"    reads    {reads or '-'}")
     names: dict = {}
-    for key, value in kernel.inputs.items():
-        lines.append(f"    {key:<8} {_input_text(value, names)}")
+    for f in fields(kernel.spec):
+        lines.append(f"    {f.name:<8} {_input_text(getattr(kernel.spec, f.name), names)}")
     lines.append(f"    epilogue {_input_text(kernel.epilogue, names)}")
     return "\n".join(lines)
 

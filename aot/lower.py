@@ -15,7 +15,8 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from . import linear_groups, shapes, views
+from . import families, linear_groups, shapes, views
+from .families import Pointwise
 from .ir import (Buffer, Const, Expr, Kernel, Load, Op, Program, SymValue,
                  contiguous_strides, expr_size, is_cheap, loads, walk)
 from .ops import COSTLY
@@ -24,7 +25,8 @@ from .views import TV
 
 HANDLERS: dict[Any, Callable] = {}
 CHECKS_PER_NODE = 64   # index checks per op (one per index tensor, at most the rank): see check_index
-DEFAULT_OPTIONS = {"fp32_matmul": "tf32x3"}   # see compiler.CompileOptions
+# see compiler.CompileOptions; sm_count: the multiprocessors the tile plans fill (H100/H200)
+DEFAULT_OPTIONS = {"fp32_matmul": "tf32x3", "sm_count": 132}
 
 
 class LoweringError(ValueError):
@@ -96,6 +98,10 @@ class Lowering:
         self.bucket = dict(bucket or {})
         # sizes computed on the device (nonzero, .item()): every symbol that is not an input's
         self.data_symbols = set(program.range_constraints) - set(self.bucket)
+        # input symbols with one possible value in this bucket (its bound is the range's minimum)
+        self.pinned = {sym for sym, bound in self.bucket.items()
+                       if sym in program.range_constraints
+                       and int(program.range_constraints[sym].lower) >= bound}
         self.item_kernels: dict = {}     # data symbol -> the kernel that writes it (.item())
         self.dynamic = bool(program.range_constraints)
         self.kernels: list[Kernel] = []
@@ -134,8 +140,15 @@ class Lowering:
 
     def entry_of(self, size):
         """The extent of one dimension from node metadata: None (static) or one factor."""
-        expr = sym_expr(size)
+        expr = self.dynamic_expr(size)
         return None if expr is None else shapes.simple(shapes.evaluate(expr, self.bucket), expr)
+
+    def dynamic_expr(self, size):
+        """A size's symbolic expression, or None where it is static in this bucket: its symbols
+        are all pinned (a bucket of 1 for a range from 1 holds one size, so it is lowered as a
+        static program; with extents at bound 1 a size-1 dimension would look broadcastable)."""
+        expr = sym_expr(size)
+        return None if expr is None or expr.free_symbols <= self.pinned else expr
 
     def out_meta(self, node):
         """A node's result shape at this bucket, and its dtype."""
@@ -156,7 +169,7 @@ class Lowering:
         if not kernel.label and self.node is not None:
             kernel.label = self.node.name
         self.kernels.append(kernel)
-        if kernel.family == "scatter" or not value:
+        if families.of(kernel).scatters or not value:
             return None
         ext = kernel.ext
         if ext is not None and tuple(kernel.out.shape) != tuple(kernel.out_shape):
@@ -170,7 +183,7 @@ class Lowering:
                 and expr.strides == contiguous_strides(tv.shape) and expr.buf.shape == tv.shape):
             return tv
         out = into or self.new_buffer(tv.shape, tv.dtype)
-        return self.emit(Kernel("pointwise", out, tv.shape, tv.expr, ext=tv.ext))
+        return self.emit(Kernel(Pointwise(), out, tv.shape, tv.expr, ext=tv.ext))
 
     def operand(self, tv: TV, row: bool = False) -> TV:
         """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it.
@@ -425,7 +438,7 @@ class Lowering:
     def _one_extents(self, node, value, val):
         if not isinstance(value, TV) or not isinstance(val, torch.Tensor):
             return value
-        metas = [sym_expr(d) for d in val.shape]
+        metas = [self.dynamic_expr(d) for d in val.shape]
         if value.ext is None and all(m is None for m in metas):
             return value
         known, conflicts = {}, set()
@@ -537,7 +550,7 @@ class Lowering:
             tv = self.realize(tv, into=self.new_buffer(tv.shape, tv.dtype))
         if tv.dtype != buf.dtype:
             tv = TV(Op("cast", [tv.expr], buf.dtype), tv.shape)
-        self.emit(Kernel("pointwise", buf, buf.shape, tv.expr, label=f"state {buf.name}"))
+        self.emit(Kernel(Pointwise(), buf, buf.shape, tv.expr, label=f"state {buf.name}"))
 
     def in_place_target(self, node, arg_index: int = 0) -> Buffer | None:
         """The state buffer that `node` may update in place: its argument is the buffer's

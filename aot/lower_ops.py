@@ -6,14 +6,17 @@ scalars).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
 import sympy
 import torch
 
-from . import linear_groups, shapes, views
+from . import gemm_tiles, linear_groups, shapes, views
 from .codegen import attention_plan, gemm_plan
+from .families import (Attention, AttnCombine, Compact, LayerNorm, Matmul, Reduction, Scatter,
+                       Softmax, ToExtent)
 from .ir import (EXTENTS, FLOATS, Acc, Buffer, Const, DimMap, Index, Kernel, Load, Op, Reindex,
                  SymValue, compute_dtype, loads, numel)
 from .lower import LoweringError, as_operand, dtype_name, handles
@@ -393,9 +396,8 @@ def _compact(L, node, mask: TV) -> TV:
     nd = len(mask.shape)
     buf = L.new_buffer((bound, nd), "int64")
     ext = (shapes.simple(bound, sym), None)
-    return L.emit(Kernel("compact", buf, (bound, nd), Acc("int64"),
-                         {"src": mask.expr, "src_shape": mask.shape, "src_ext": mask.ext,
-                          "symbol": sym}, ext=ext))
+    return L.emit(Kernel(Compact(src=mask.expr, src_shape=mask.shape, src_ext=mask.ext,
+                                 symbol=sym), buf, (bound, nd), Acc("int64"), ext=ext))
 
 
 @handles(aten.nonzero.default)
@@ -420,8 +422,7 @@ def _item(L, node, x):
     sym = L.data_symbol(node, hi)
     if x.shape:
         x = views.view(x, ())
-    L.emit(Kernel("to_extent", EXTENTS, (), Acc("int64"),
-                  {"src": x.expr, "symbol": sym, "lo": lo, "hi": hi}))
+    L.emit(Kernel(ToExtent(src=x.expr, symbol=sym, lo=lo, hi=hi), EXTENTS, (), Acc("int64")))
     L.item_kernels[sym] = L.kernels[-1]
     return shapes.SymSize(hi, sym)
 
@@ -432,8 +433,8 @@ def _tighten_item_bound(L, end, size: int):
     by n shrink to it."""
     sym = sym_expr(end)
     kernel = L.item_kernels.get(sym)
-    if kernel is not None and size < kernel.inputs["hi"]:
-        kernel.inputs["hi"] = size
+    if kernel is not None and size < kernel.spec.hi:
+        kernel.spec = dataclasses.replace(kernel.spec, hi=size)
         L.bucket[sym] = size
 
 
@@ -538,9 +539,9 @@ def _reduce(L, x: TV, dims, op: str, keepdim: bool, out_dtype: str, divisor=None
     elif acc_dtype != out_dtype:
         epilogue = Op("cast", [epilogue], out_dtype)
     buf = L.new_buffer(out_shape, out_dtype)
-    result = L.emit(Kernel("reduction", buf, out_shape, epilogue,
-                           {"src": x.expr, "src_shape": x.shape, "rdims": tuple(dims), "op": op,
-                            "acc_dtype": acc_dtype, "src_ext": x.ext}, ext=out_ext))
+    spec = Reduction(src=x.expr, src_shape=x.shape, src_ext=x.ext, rdims=tuple(dims), op=op,
+                     acc_dtype=acc_dtype)
+    result = L.emit(Kernel(spec, buf, out_shape, epilogue, ext=out_ext))
     if keepdim:
         full = tuple(1 if d in dims else x.shape[d] for d in range(ndim))
         result = views.view(result, full)
@@ -616,9 +617,8 @@ def _softmax(L, node, x, dim, half_to_float=False):
     src = views.permute(x, perm)
     buf = L.new_buffer(src.shape, dtype)
     acc = "float64" if dtype == "float64" else "float32"
-    out = L.emit(Kernel("softmax", buf, src.shape, Acc(acc),
-                        {"src": src.expr, "log": node.target == aten._log_softmax.default},
-                        ext=src.ext))
+    spec = Softmax(src=src.expr, log=node.target == aten._log_softmax.default)
+    out = L.emit(Kernel(spec, buf, src.shape, Acc(acc), ext=src.ext))
     inverse = [perm.index(d) for d in range(nd)]
     return views.permute(out, inverse)
 
@@ -632,12 +632,13 @@ def _layer_norm(L, node, x, normalized_shape, weight, bias, eps):
     if any(e is not None for e in x.exts()[len(x.shape) - len(normalized_shape):]):
         raise LoweringError("layer norm over a dynamic dimension is not supported")
     src = views.view(x, (rows, n))
-    inputs = {"src": src.expr, "eps": float(eps)}
-    for key, t in (("weight", weight), ("bias", bias)):
-        if t is not None:
-            inputs[key] = views.expand(views.view(t, (n,)), (rows, n)).expr
+
+    def affine(t):
+        return None if t is None else views.expand(views.view(t, (n,)), (rows, n)).expr
+
+    spec = LayerNorm(src=src.expr, eps=float(eps), weight=affine(weight), bias=affine(bias))
     buf = L.new_buffer((rows, n), dtype)
-    out = L.emit(Kernel("layer_norm", buf, (rows, n), Acc("float32"), inputs, ext=src.ext))
+    out = L.emit(Kernel(spec, buf, (rows, n), Acc("float32"), ext=src.ext))
     if any(len(u.users) for u in node.users if u.args[1] != 0):  # getitem 1, 2
         raise LoweringError("layer_norm's mean/rstd outputs are not supported (inference only)")
     return views.view(out, shape), None, None
@@ -655,25 +656,27 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None, meta=None) -> TV:
     epilogue = Acc("float32")
     if epilogue_fn is not None:
         epilogue = epilogue_fn(epilogue, out_shape)
-    low = {a.dtype, b.dtype} & {"float16", "bfloat16"}
-    split = gemm_plan(m, n, k, batch, 2 if low else 4).split
+    low = {a.dtype, b.dtype} & {"float16", "bfloat16"}   # dots in half precision (_dot_dtype)
+    kind = gemm_tiles.operand_kind("bfloat16" if low else "float32", L.options["fp32_matmul"])
+    measured = gemm_tiles.measured_tile(L.options.get("tile_table"), kind, m, n, k)
+    plan = gemm_plan(m, n, k, batch, 2 if low else 4, L.options["sm_count"], measured)
     ext = (a.dim_ext(0), a.dim_ext(1), b.dim_ext(2))
     if a.dim_ext(0) is not None or a.dim_ext(2) is not None:
-        split = 1   # partial sums over a dynamic batch or K: keep one kernel
-    inputs = {"a": a.expr, "b": b.expr, "m": m, "n": n, "k": k, "batch": batch,
-              "fp32_precision": L.options["fp32_matmul"], "split": split,
-              "k_ext": a.dim_ext(2) if a.dim_ext(2) is not None else b.dim_ext(1)}
+        plan = dataclasses.replace(plan, split=1)   # no partial sums over a dynamic batch or K
+    spec = Matmul(a=a.expr, b=b.expr, m=m, n=n, k=k, batch=batch,
+                  fp32_precision=L.options["fp32_matmul"], plan=plan,
+                  k_ext=a.dim_ext(2) if a.dim_ext(2) is not None else b.dim_ext(1))
     buf = L.new_buffer(shape, dtype)
+    split = plan.split
     if split == 1:
-        return views.view(L.emit(Kernel("matmul", buf, out_shape, epilogue, inputs, ext=ext)),
-                          shape)
+        return views.view(L.emit(Kernel(spec, buf, out_shape, epilogue, ext=ext)), shape)
     # split-K: fp32 partial sums [split, batch, m, n], then a reduction that applies the epilogue
     partial = L.new_buffer((split, batch, m, n), "float32")
-    sums = L.emit(Kernel("matmul", partial, (split * batch, m, n), Acc("float32"), inputs,
+    sums = L.emit(Kernel(spec, partial, (split * batch, m, n), Acc("float32"),
                          ext=ext))   # read back as the partial buffer: [split, batch, m, n]
-    L.emit(Kernel("reduction", buf, out_shape, epilogue,
-                  {"src": sums.expr, "src_shape": (split, batch, m, n), "rdims": (0,),
-                   "op": "sum", "acc_dtype": "float32", "src_ext": sums.ext}, ext=ext))
+    total = Reduction(src=sums.expr, src_shape=(split, batch, m, n), src_ext=sums.ext, rdims=(0,),
+                      op="sum", acc_dtype="float32")
+    L.emit(Kernel(total, buf, out_shape, epilogue, ext=ext))
     return views.view(views.contiguous_load(buf, shapes.regroup(out_shape, ext, buf.shape)),
                       shape)
 
@@ -768,31 +771,33 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             return TV(Reindex(t.expr, maps), (b, h) + t.shape[2:], t.ext)
         k4, v4 = widen(k4), widen(v4)
     q4, k4, v4 = L.operand(q4, row=lq <= ROW_QUERIES), L.operand(k4), L.operand(v4)
-    inputs = {"q": q4.expr, "k": k4.expr, "v": v4.expr, "b": b, "h": h, "lq": lq, "lk": lk,
-              "d": d, "dv": dv, "causal": bool(is_causal),
-              "scale": float(scale) if scale is not None else 1.0 / math.sqrt(d),
-              "fp32_precision": L.options["fp32_matmul"], "lk_ext": k4.dim_ext(2)}
     if q4.dim_ext(3) is not None or k4.dim_ext(3) is not None or v4.dim_ext(3) is not None:
         raise LoweringError("attention with a dynamic head dimension is not supported")
+    mask = None
     if attn_mask is not None:
-        mask = attn_mask
-        while len(mask.shape) < 4:
-            mask = views.unsqueeze(mask, 0)
-        inputs["mask"] = views.expand(mask, (b, h, lq, lk)).expr
+        m4 = attn_mask
+        while len(m4.shape) < 4:
+            m4 = views.unsqueeze(m4, 0)
+        mask = views.expand(m4, (b, h, lq, lk)).expr
+    plan = attention_plan(b, h, lq, lk, L.options["sm_count"])
+    spec = Attention(q=q4.expr, k=k4.expr, v=v4.expr, b=b, h=h, lq=lq, lk=lk, d=d, dv=dv,
+                     causal=bool(is_causal),
+                     scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
+                     fp32_precision=L.options["fp32_matmul"], lk_ext=k4.dim_ext(2), plan=plan,
+                     mask=mask)
     buf = L.new_buffer((b, h, lq, dv), dtype)
     ext = (q4.dim_ext(0), q4.dim_ext(1), q4.dim_ext(2), None)
-    split = attention_plan(b, h, lq, lk)[2]
+    split = plan.split
     if split == 1:
-        out = L.emit(Kernel("attention", buf, (b, h, lq, dv), Acc("float32"), inputs, ext=ext))
+        out = L.emit(Kernel(spec, buf, (b, h, lq, dv), Acc("float32"), ext=ext))
         return views.view(out, shape)
     # split-KV: every split's output and log-sum-exp into one float32 buffer, then a kernel that
     # combines them and applies the epilogue (codegen.attention_plan)
     partial = L.new_buffer((split * b * h * lq * (dv + 1),), "float32")
-    L.emit(Kernel("attention", partial, (b, h, lq, dv), Acc("float32"),
-                  dict(inputs, split=split), ext=ext), value=False)
-    out = L.emit(Kernel("attn_combine", buf, (b, h, lq, dv), Acc("float32"),
-                        {"partial": views.contiguous_load(partial).expr, "parts": split,
-                         "b": b, "h": h, "lq": lq, "dv": dv}, ext=ext))
+    L.emit(Kernel(spec, partial, (b, h, lq, dv), Acc("float32"), ext=ext), value=False)
+    combine = AttnCombine(partial=views.contiguous_load(partial).expr, parts=split, b=b, h=h,
+                          lq=lq, dv=dv)
+    out = L.emit(Kernel(combine, buf, (b, h, lq, dv), Acc("float32"), ext=ext))
     return views.view(out, shape)
 
 
@@ -857,10 +862,8 @@ def _scatter(L, target: Buffer, x: TV, indices, dims, values, accumulate=None) -
         for j, e in enumerate(iext[len(iext) - nb:] if iext else ()):
             if e is not None and ext[k + j] is None:
                 ext[k + j] = e
-    inputs = {"coords": tuple(coords)}
-    if accumulate:
-        inputs["accumulate"] = accumulate
-    L.emit(Kernel("scatter", target, space, value, inputs, ext=tuple(ext)))
+    L.emit(Kernel(Scatter(coords=tuple(coords), accumulate=accumulate), target, space, value,
+                  ext=tuple(ext)))
 
 
 def _note_state_index(L, target: Buffer, index: TV, size: int) -> None:
@@ -922,10 +925,6 @@ def _scatter_along(L, node, x, dim, index, src, reduce=None, include_self=True):
         identity = {"add": 0, "max": float("-inf"), "min": float("inf")}[mode]
         if not x.dtype.startswith(("float", "bfloat")) and mode != "add":
             identity = -2**63 if mode == "max" else 2**63 - 1
-        L.emit(Kernel("scatter", target, space, as_operand(identity, space, x.dtype),
-                      {"coords": coords}))
-    inputs = {"coords": coords}
-    if mode:
-        inputs["accumulate"] = mode
-    L.emit(Kernel("scatter", target, space, value, inputs))
+        L.emit(Kernel(Scatter(coords=coords), target, space, as_operand(identity, space, x.dtype)))
+    L.emit(Kernel(Scatter(coords=coords, accumulate=mode), target, space, value))
     return views.contiguous_load(target)

@@ -17,6 +17,7 @@ import operator
 import torch
 
 from . import shapes, views
+from .families import Argreduce, Scan, Sort
 from .ir import Acc, DimMap, Kernel, Op, Reindex, compute_dtype, numel
 from .lower import LoweringError, as_operand, handles
 from .views import TV
@@ -72,9 +73,8 @@ def _arg_index(L, x: TV, dim, op: str, keepdim: bool) -> TV:
     out_shape = tuple(x.shape[d] for d in kept)
     out_ext = tuple(x.dim_ext(d) for d in kept)
     buf = L.new_buffer(out_shape, "int64")
-    result = L.emit(Kernel("argreduce", buf, out_shape, Acc("int64"),
-                           {"src": x.expr, "src_shape": x.shape, "rdims": tuple(rdims), "op": op,
-                            "src_ext": x.ext}, ext=out_ext))
+    spec = Argreduce(src=x.expr, src_shape=x.shape, src_ext=x.ext, rdims=tuple(rdims), op=op)
+    result = L.emit(Kernel(spec, buf, out_shape, Acc("int64"), ext=out_ext))
     if keepdim:
         result = views.view(result, tuple(1 if d in rdims else x.shape[d] for d in range(nd)))
     return result
@@ -131,8 +131,8 @@ def _scan(L, node, x, dim, dtype=None):
     epilogue = Acc(acc) if acc == out_dtype else Op("cast", [Acc(acc)], out_dtype)
     buf = L.new_buffer(src.shape, out_dtype)
     op = "sum" if node.target == aten.cumsum.default else "prod"
-    out = L.emit(Kernel("scan", buf, src.shape, epilogue,
-                        {"src": src.expr, "op": op, "acc_dtype": acc}, ext=src.ext))
+    out = L.emit(Kernel(Scan(src=src.expr, op=op, acc_dtype=acc), buf, src.shape, epilogue,
+                        ext=src.ext))
     return views.permute(out, [perm.index(d) for d in range(nd)])
 
 
@@ -155,9 +155,8 @@ def _sort_index(L, x: TV, dim: int, descending: bool, k: int | None) -> TV:
     k = n if k is None else k
     out_shape = src.shape[:-1] + (k,)
     buf = L.new_buffer(out_shape, "int64")
-    out = L.emit(Kernel("sort", buf, out_shape, Acc("int64"),
-                        {"src": src.expr, "src_shape": src.shape, "descending": bool(descending),
-                         "src_ext": src.ext}, ext=out_ext))
+    spec = Sort(src=src.expr, src_shape=src.shape, src_ext=src.ext, descending=bool(descending))
+    out = L.emit(Kernel(spec, buf, out_shape, Acc("int64"), ext=out_ext))
     return views.permute(out, [perm.index(d) for d in range(nd)])
 
 

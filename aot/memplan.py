@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import families
 from .ir import Buffer, Kernel, numel
 
 ALIGN = 256
-DATA_SIZE_FAMILIES = ("compact", "to_extent")   # kernels that write a size into the extents
 
 
 def align(n: int, a: int = ALIGN) -> int:
@@ -46,7 +46,7 @@ def drop_empty(kernels: list[Kernel]) -> list[Kernel]:
     it writes nothing, so it is dropped. Kernels that write a size into the extents (nonzero of
     an empty tensor still writes count 0) always run. A dropped kernel's buffer holds no bytes,
     so whatever still reads it reads nothing (plan_memory gives it no memory)."""
-    return [k for k in kernels if numel(k.out_shape) > 0 or k.family in DATA_SIZE_FAMILIES]
+    return [k for k in kernels if numel(k.out_shape) > 0 or families.of(k).writes_extents]
 
 
 def plan_memory(kernels: list[Kernel], weights: list[Buffer],
@@ -132,7 +132,7 @@ def dependencies(kernels: list[Kernel], plan: MemoryPlan,
     writes = [ranges([k.out]) for k in kernels]
     reads = [ranges(k.reads()) for k in kernels]
     for j, k in enumerate(kernels):
-        if k.family in DATA_SIZE_FAMILIES:
+        if families.of(k).writes_extents:
             writes[j].append(("extents", 0, 1))
         if extents_readers and extents_readers[j]:
             reads[j].append(("extents", 0, 1))

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 
+from .families import FAMILIES
 from .ir import (FLOATS, Buffer, Cat, Const, Expr, Index, Kernel, Load, Op, Reindex,
                  Reshape, SymValue, numel)
 
@@ -56,46 +57,23 @@ def enabled() -> bool:
 
 
 # ---- the index spaces of a kernel's expressions, per family -------------------------------------
-def _roots(k: Kernel, problems: list) -> list[tuple[str, Expr, tuple]]:
-    """(input name, expression, index space) for every expression of `k`: what the family's
-    template evaluates each one over (aot/codegen.py)."""
-    inp, f = k.inputs, k.family
+def _roots(k: Kernel, say) -> list[tuple[str, Expr, tuple]]:
+    """(name, expression, index space) for every expression of `k`: the epilogue over out_shape,
+    and each expression of its spec over the space its template evaluates it over (the spec's
+    `index_spaces`, aot/families.py). An expression the spec gives no space is reported."""
     roots = [("epilogue", k.epilogue, tuple(k.out_shape))]
-    if f in ("reduction", "compact", "argreduce", "sort"):
-        roots.append(("src", inp["src"], tuple(inp["src_shape"])))
-    elif f in ("softmax", "scan"):
-        roots.append(("src", inp["src"], tuple(k.out_shape)))
-    elif f == "layer_norm":
-        roots += [(key, inp[key], tuple(k.out_shape)) for key in ("src", "weight", "bias")
-                  if key in inp]
-    elif f == "matmul":
-        b, m, n, kk = inp["batch"], inp["m"], inp["n"], inp["k"]
-        roots += [("a", inp["a"], (b, m, kk)), ("b", inp["b"], (b, kk, n))]
-    elif f == "attention":
-        b, h, lq, lk, d, dv = (inp[key] for key in ("b", "h", "lq", "lk", "d", "dv"))
-        roots += [("q", inp["q"], (b, h, lq, d)), ("k", inp["k"], (b, h, lk, d)),
-                  ("v", inp["v"], (b, h, lk, dv))]
-        if "mask" in inp:
-            roots.append(("mask", inp["mask"], (b, h, lq, lk)))
-    elif f == "scatter":
-        roots += [(f"coords[{d}]", c, tuple(k.out_shape)) for d, c in enumerate(inp["coords"])]
-    elif f == "to_extent":
-        roots.append(("src", inp["src"], ()))
-    elif f == "attn_combine":
-        pass   # `partial` is addressed by the template itself (checked in _check_sizes)
-    elif f != "pointwise":
-        problems.append(f"family {f!r} has no index-space rule in aot/verify_ir.py (_roots): "
-                        "add one, so its loads are checked")
-        return []
-    covered = {id(e) for _, e, _ in roots}
-    if f == "attn_combine":
-        covered.add(id(inp["partial"]))
-    for key, value in inp.items():
-        values = value if isinstance(value, tuple) else (value,)
-        for v in values:
-            if isinstance(v, Expr) and id(v) not in covered:
-                problems.append(f"input {key!r} is an expression the verifier has no index space "
-                                f"for (aot/verify_ir.py _roots, family {f!r})")
+    if k.family not in FAMILIES:
+        say(f"family {k.family!r} ({type(k.spec).__name__}) is not in the registry "
+            "(aot/families.py FAMILIES), so its loads would go unchecked")
+        return roots
+    spaces = k.spec.index_spaces(tuple(k.out_shape))
+    for name, expr in k.spec.exprs():
+        field = name.partition("[")[0]
+        if field not in spaces:
+            say(f"spec field {name!r} is an expression without an index space "
+                f"({type(k.spec).__name__}.index_spaces, aot/families.py)")
+        elif spaces[field] is not None:   # None: addressed by the template (checked by its sizes)
+            roots.append((name, expr, tuple(spaces[field])))
     return roots
 
 
@@ -343,43 +321,28 @@ def _ext_problem(ext, shape, what: str) -> str | None:
 
 
 def _check_sizes(k: Kernel, say) -> None:
-    """The family's own sizes against its shapes; the buffer against the index space."""
-    inp, f, shape = k.inputs, k.family, tuple(k.out_shape)
-    problem = _ext_problem(k.ext, shape, "ext")
-    if problem:
-        say(problem)
-    if "src_shape" in inp:
-        problem = _ext_problem(inp.get("src_ext"), tuple(inp["src_shape"]), "src_ext")
+    """The family's own sizes against its shapes (the spec's rules, aot/families.py); the buffer
+    against the index space."""
+    spec, shape = k.spec, tuple(k.out_shape)
+    for what, ext, over in [("ext", k.ext, shape)] + spec.extents():
+        problem = _ext_problem(ext, over, what)
         if problem:
             say(problem)
-    split = inp.get("split", 1)
-    want = numel(shape)
-    if f == "matmul":
-        batch, m, n = inp["batch"], inp["m"], inp["n"]
-        if shape != (split * batch, m, n):
-            say(f"out_shape {list(shape)} is not [split * batch, m, n] = "
-                f"[{split * batch}, {m}, {n}]")
-    elif f in ("attention", "attn_combine"):
-        b, h, lq, dv = inp["b"], inp["h"], inp["lq"], inp["dv"]
-        if shape != (b, h, lq, dv):
-            say(f"out_shape {list(shape)} is not [b, h, lq, dv] = [{b}, {h}, {lq}, {dv}]")
-        if f == "attention" and split > 1:   # each split's output and log-sum-exp (codegen)
-            want = split * b * h * lq * (dv + 1)
-        if f == "attn_combine":
-            have, need = numel(inp["partial"].buf.shape), inp["parts"] * b * h * lq * (dv + 1)
-            if have < need:
-                say(f"reads {need} partial elements from {inp['partial'].buf.name}, which holds "
-                    f"{have}")
-    elif f == "layer_norm" and len(shape) != 2:
-        say(f"out_shape {list(shape)} is not [rows, n]")
-    elif f == "compact" and shape != (numel(inp["src_shape"]), len(inp["src_shape"])):
-        say(f"out_shape {list(shape)} is not [numel(src), rank(src)] for src "
-            f"{list(inp['src_shape'])}")
-    if f in ("scatter", "to_extent") or k.out.kind == "extents":
+    for problem in spec.shape_problems(shape):
+        say(problem)
+    if _scatters(k) or k.out.kind == "extents":
         return   # a scatter writes part of its target; to_extent writes a symbol's word
+    want = spec.out_elements(shape)
     if numel(k.out.shape) != want:
         say(f"writes {want} elements over {list(shape)} into {k.out.name} "
             f"({k.out.dtype}{list(k.out.shape)}, {numel(k.out.shape)} elements)")
+
+
+def _scatters(k: Kernel) -> bool:
+    """It writes part of a buffer an earlier kernel wrote (an unregistered family does not:
+    _roots reports it)."""
+    family = FAMILIES.get(k.family)
+    return family is not None and family.scatters
 
 
 def _check_store_dtype(k: Kernel, say) -> None:
@@ -413,11 +376,11 @@ def check_kernels(kernels: list[Kernel], program=None, stage: str = "", bucket: 
         for b in k.reads():
             if b.kind == "arena" and id(b) not in written and b.nbytes:
                 checker.say(f"reads {b.name} before any kernel writes it")
-        for name, expr, space in _roots(k, problems):
+        for name, expr, space in _roots(k, checker.say):
             checker.expr(expr, _full(space), name)
         _check_sizes(k, checker.say)
         _check_store_dtype(k, checker.say)
-        if k.family == "scatter":
+        if _scatters(k):
             if k.out.kind == "arena" and id(k.out) not in written:
                 checker.say(f"scatters into {k.out.name}, which no earlier kernel wrote (the "
                             "elements it skips would be garbage)")

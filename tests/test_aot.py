@@ -84,6 +84,7 @@ def test_dependencies_follow_write_after_read():
     """Arena reuse creates an edge that no data flow does: `c` reuses the bytes of `a` once `a` is
     dead, so the kernel writing `c` must wait for the one still reading `a` (write-after-read),
     although it reads nothing of it."""
+    from grace.aot.families import Pointwise
     from grace.aot.ir import Buffer, Kernel, Load
 
     x = Buffer("x", "input", "float32", (16, 16))
@@ -93,7 +94,7 @@ def test_dependencies_follow_write_after_read():
     y2 = Buffer("y2", "output", "float32", (16, 16))
 
     def copy(out, src):
-        return Kernel("pointwise", out, out.shape, Load(src, 0, (16, 1)), label=out.name)
+        return Kernel(Pointwise(), out, out.shape, Load(src, 0, (16, 1)), label=out.name)
 
     kernels = [copy(a, x), copy(y1, a), copy(c, x), copy(y2, c)]
     plan = memplan.plan_memory(kernels, [])
@@ -171,7 +172,7 @@ def test_deep_small_gemm_splits_k():
     model = torch.nn.Sequential(torch.nn.Linear(4096, 64), torch.nn.ReLU())
     _, kernels = lowered(model, torch.randn(4, 4096))
     assert families(kernels) == ["matmul", "reduction"]
-    assert kernels[0].inputs["split"] > 1
+    assert kernels[0].spec.plan.split > 1
     assert kernels[1].out.kind == "output"   # bias + ReLU + output copy fused into the reduction
 
 

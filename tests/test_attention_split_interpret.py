@@ -14,6 +14,7 @@ from torch.export import Dim  # noqa: E402
 
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.aot.codegen import attention_plan  # noqa: E402
+from grace.aot.lower import DEFAULT_OPTIONS  # noqa: E402
 from grace.formats import read_package  # noqa: E402
 
 from test_buckets_interpret import rel_err, run_cases  # noqa: E402
@@ -67,9 +68,10 @@ def _qkv(b, h, hk, lq, lk, d, dtype=torch.float32):
 
 
 def test_the_plan_splits_decode_and_not_prefill():
-    assert attention_plan(1, 32, 1, 2048)[2] > 1
-    assert attention_plan(1, 32, 1024, 2048)[2] == 1
-    assert attention_plan(1, 4, 1, 100)[2] == 1   # no whole key blocks to split
+    sms = DEFAULT_OPTIONS["sm_count"]
+    assert attention_plan(1, 32, 1, 2048, sms).split > 1
+    assert attention_plan(1, 32, 1024, 2048, sms).split == 1
+    assert attention_plan(1, 4, 1, 100, sms).split == 1   # no whole key blocks to split
 
 
 @pytest.mark.parametrize("additive", [False, True])

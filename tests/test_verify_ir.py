@@ -7,8 +7,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+import dataclasses  # noqa: E402
+
 from grace.aot import compiler, export, fuse, lower, memplan, verify_ir  # noqa: E402
-from grace.aot.ir import Acc, Buffer, Const, Kernel, Load, Op, Reindex, DimMap  # noqa: E402
+from grace.aot.families import Pointwise  # noqa: E402
+from grace.aot.ir import Acc, Buffer, Const, Expr, Kernel, Load, Op, Reindex, DimMap, Spec  # noqa: E402
 from grace.aot.verify_ir import IRVerifyError  # noqa: E402
 from grace.tools import models  # noqa: E402
 
@@ -29,7 +32,7 @@ def llama():
 
 
 def _pointwise(out, value, label="k"):
-    return Kernel("pointwise", out, out.shape, value, label=label)
+    return Kernel(Pointwise(), out, out.shape, value, label=label)
 
 
 X = Buffer("x", "input", "float32", (4, 8))
@@ -101,7 +104,7 @@ def test_extents_and_sizes_must_match_the_shapes():
     with pytest.raises(IRVerifyError, match=r"ext\[0\] has bucket factors \[2\] \(product 2\) for a "
                                             r"dim of size 4"):
         verify_ir.check_kernels([k])
-    wide = Kernel("pointwise", OUT, (4, 16), Load(X, 0, (8, 0)), label="wide")
+    wide = Kernel(Pointwise(), OUT, (4, 16), Load(X, 0, (8, 0)), label="wide")
     with pytest.raises(IRVerifyError, match=r"writes 64 elements over \[4, 16\] into out"):
         verify_ir.check_kernels([wide])
 
@@ -161,8 +164,8 @@ def test_the_compiler_runs_it_at_the_stage_that_broke_the_ir(monkeypatch, tmp_pa
 
     def broken(kernels):
         out = real(kernels)
-        a = out[0].inputs["a"]
-        out[0].inputs["a"] = Load(a.buf, a.offset + 64, a.strides)   # one row too far
+        a = out[0].spec.a
+        out[0].spec = dataclasses.replace(out[0].spec, a=Load(a.buf, a.offset + 64, a.strides))
         return out
 
     monkeypatch.setattr(fuse, "fuse_epilogues", broken)
@@ -176,8 +179,26 @@ def test_the_compiler_runs_it_at_the_stage_that_broke_the_ir(monkeypatch, tmp_pa
     _compile_until_build(monkeypatch, tmp_path)
 
 
+@dataclasses.dataclass(frozen=True)
+class Histogram(Spec):
+    family = "histogram"
+    src: Expr
+
+
+@dataclasses.dataclass(frozen=True)
+class Pointwise2(Pointwise):
+    """A registered family's spec that grew an expression without saying where it is read."""
+    extra: Expr
+
+
 def test_every_family_has_an_index_space_rule():
-    """A family the verifier does not know is reported (so its loads do not go unchecked)."""
-    k = Kernel("histogram", OUT, OUT.shape, Acc(), {"src": Load(X, 0, (8, 1))})
-    with pytest.raises(IRVerifyError, match="family 'histogram' has no index-space rule"):
+    """A family the registry does not know is reported (so its loads do not go unchecked), and
+    so is an expression field that its spec gives no index space."""
+    k = Kernel(Histogram(src=Load(X, 0, (8, 1))), OUT, OUT.shape, Acc())
+    with pytest.raises(IRVerifyError, match=r"family 'histogram' \(Histogram\) is not in the "
+                                            r"registry"):
+        verify_ir.check_kernels([k])
+    k = Kernel(Pointwise2(extra=Load(X, 0, (8, 1))), OUT, OUT.shape, Load(X, 0, (8, 1)))
+    with pytest.raises(IRVerifyError, match=r"spec field 'extra' is an expression without an "
+                                            r"index space"):
         verify_ir.check_kernels([k])

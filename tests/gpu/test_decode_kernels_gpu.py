@@ -19,6 +19,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.aot.codegen import attention_plan  # noqa: E402
+from grace.aot.lower import DEFAULT_OPTIONS  # noqa: E402
 from grace.runtime import load  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def _inputs(pos, dtype, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_kv_attention_and_gemv(tmp_path, dtype):
-    assert attention_plan(1, 32, 1, 2048)[2] >= 8
+    assert attention_plan(1, 32, 1, 2048, DEFAULT_OPTIONS["sm_count"]).split >= 8
     torch.manual_seed(0)
     model = DecodeAttention().eval().to(dtype)
     gen = torch.Generator().manual_seed(1)

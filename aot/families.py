@@ -1,0 +1,322 @@
+"""Kernel families: one typed spec per family, and the one registry of what each family is.
+
+A `Kernel` (ir.py) says where its value goes: the buffer, the index space, the epilogue, the
+extents. Its *spec* says what the family computes: exactly the operands and settings the family's
+lowering sets and its template (aot/codegen.py) reads, as a frozen dataclass. The field names were
+dictionary keys that lowering and codegen had to agree on; as fields, a missing or misspelt one
+is a TypeError where lowering builds the kernel, and `ir.Spec` finds every expression in them
+(`Kernel.reads`) without a list of names.
+
+Tile plans are decided once, by lowering, and stored in the spec (`Matmul.plan`,
+`Attention.plan`): lowering needs the split (split-K or split-KV emits a second kernel), codegen
+the tiles, and one plan cannot disagree with itself. Lowering computes them for the target's
+multiprocessor count (`options["sm_count"]`).
+
+`FAMILIES` is the registry: per family its spec class, its template and the traits other stages
+ask about, so no module tests a family by its name. Each spec's methods carry its rules for the IR
+verifier (ir.Spec: the index space of each expression, its own sizes against the kernel's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import sympy
+
+from . import codegen
+from .codegen import AttentionPlan, GemmPlan
+from .ir import Expr, Kernel, Spec, numel
+
+
+# ---- the specs ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Pointwise(Spec):
+    """The epilogue evaluated at every index of out_shape: all there is to a pointwise kernel."""
+
+    family = "pointwise"
+
+
+@dataclass(frozen=True)
+class Scatter(Spec):
+    """out[coords(i)] = epilogue(i) for every index i of out_shape (the values' index space, not
+    `out`'s): coords[d] computes destination index d; destinations outside `out` are skipped.
+    `accumulate` ("add" | "max" | "min") combines repeated destinations atomically; None stores."""
+
+    family = "scatter"
+    coords: tuple[Expr, ...]
+    accumulate: str | None = None
+
+    def index_spaces(self, out_shape):
+        return {"coords": tuple(out_shape)}
+
+
+@dataclass(frozen=True)
+class SourceSpec(Spec):
+    """The families that walk a source of a shape of its own (`src` over `src_shape`, with its
+    extents `src_ext`) and write one value per kept index (or, compact, per element)."""
+
+    src: Expr
+    src_shape: tuple[int, ...]
+    src_ext: tuple | None
+
+    def index_spaces(self, out_shape):
+        return {"src": tuple(self.src_shape)}
+
+    def extents(self):
+        return [("src_ext", self.src_ext, tuple(self.src_shape))]
+
+
+@dataclass(frozen=True)
+class Reduction(SourceSpec):
+    """`op` ("sum" | "max" | "min") of src over the dimensions `rdims`, accumulated in
+    `acc_dtype`; the kept dimensions, in order, are out_shape."""
+
+    family = "reduction"
+    rdims: tuple[int, ...]
+    op: str
+    acc_dtype: str
+
+
+@dataclass(frozen=True)
+class Argreduce(SourceSpec):
+    """The int64 index of the maximum (op "max") or minimum ("min") over the flattened `rdims`."""
+
+    family = "argreduce"
+    rdims: tuple[int, ...]
+    op: str
+
+
+@dataclass(frozen=True)
+class Sort(SourceSpec):
+    """The permutation that sorts each row (the last dimension) of src stably; the first
+    out_shape[-1] columns of it (topk)."""
+
+    family = "sort"
+    descending: bool
+
+
+@dataclass(frozen=True)
+class Compact(SourceSpec):
+    """The row-major indices of src's nonzero elements, [numel(src), rank(src)], and their count
+    stored as the value of `symbol` in the extents."""
+
+    family = "compact"
+    symbol: sympy.Symbol
+
+    def shape_problems(self, out_shape):
+        want = (numel(self.src_shape), len(self.src_shape))
+        if tuple(out_shape) != want:
+            return [f"out_shape {list(out_shape)} is not [numel(src), rank(src)] for src "
+                    f"{list(self.src_shape)}"]
+        return []
+
+
+@dataclass(frozen=True)
+class Softmax(Spec):
+    """(log-)softmax of src along the last dimension of out_shape."""
+
+    family = "softmax"
+    src: Expr
+    log: bool
+
+    def index_spaces(self, out_shape):
+        return {"src": tuple(out_shape)}
+
+
+@dataclass(frozen=True)
+class Scan(Spec):
+    """Inclusive cumulative `op` ("sum" | "prod") of src along the last dimension, in acc_dtype."""
+
+    family = "scan"
+    src: Expr
+    op: str
+    acc_dtype: str
+
+    def index_spaces(self, out_shape):
+        return {"src": tuple(out_shape)}
+
+
+@dataclass(frozen=True)
+class LayerNorm(Spec):
+    """Each row of src ([rows, n] = out_shape) normalised with `eps`, times `weight`, plus
+    `bias` (both optional, evaluated over the same index space)."""
+
+    family = "layer_norm"
+    src: Expr
+    eps: float
+    weight: Expr | None = None
+    bias: Expr | None = None
+
+    def index_spaces(self, out_shape):
+        return {key: tuple(out_shape) for key in ("src", "weight", "bias")}
+
+    def shape_problems(self, out_shape):
+        return [] if len(out_shape) == 2 else [f"out_shape {list(out_shape)} is not [rows, n]"]
+
+
+@dataclass(frozen=True)
+class Matmul(Spec):
+    """a [batch, m, k] @ b [batch, k, n] by `plan` (codegen.gemm_plan). With plan.split > 1 it
+    writes fp32 partial sums [split * batch, m, n] that a reduction kernel sums (split-K).
+    `k_ext`: the extents of K (a dynamic K is masked)."""
+
+    family = "matmul"
+    a: Expr
+    b: Expr
+    m: int
+    n: int
+    k: int
+    batch: int
+    fp32_precision: str
+    plan: GemmPlan
+    k_ext: tuple | None
+
+    def index_spaces(self, out_shape):
+        return {"a": (self.batch, self.m, self.k), "b": (self.batch, self.k, self.n)}
+
+    def shape_problems(self, out_shape):
+        want = (self.plan.split * self.batch, self.m, self.n)
+        if tuple(out_shape) != want:
+            return [f"out_shape {list(out_shape)} is not [split * batch, m, n] = {list(want)}"]
+        return []
+
+    @property
+    def writes_partials(self):
+        return self.plan.split > 1
+
+
+def _bhld_problems(spec, out_shape) -> list[str]:
+    want = (spec.b, spec.h, spec.lq, spec.dv)
+    if tuple(out_shape) != want:
+        return [f"out_shape {list(out_shape)} is not [b, h, lq, dv] = {list(want)}"]
+    return []
+
+
+@dataclass(frozen=True)
+class Attention(Spec):
+    """softmax(q @ k^T * scale, causal and/or `mask`) @ v over [b, h, lq|lk, d|dv], by `plan`
+    (codegen.attention_plan). With plan.split > 1 each key split leaves its output and
+    log-sum-exp in a float32 buffer (split * b*h*lq*(dv + 1) elements) for attn_combine."""
+
+    family = "attention"
+    q: Expr
+    k: Expr
+    v: Expr
+    b: int
+    h: int
+    lq: int
+    lk: int
+    d: int
+    dv: int
+    causal: bool
+    scale: float
+    fp32_precision: str
+    lk_ext: tuple | None
+    plan: AttentionPlan
+    mask: Expr | None = None
+
+    def index_spaces(self, out_shape):
+        b, h, lq, lk = self.b, self.h, self.lq, self.lk
+        return {"q": (b, h, lq, self.d), "k": (b, h, lk, self.d), "v": (b, h, lk, self.dv),
+                "mask": (b, h, lq, lk)}
+
+    def shape_problems(self, out_shape):
+        return _bhld_problems(self, out_shape)
+
+    def out_elements(self, out_shape):
+        if self.plan.split > 1:
+            return self.plan.split * self.b * self.h * self.lq * (self.dv + 1)
+        return numel(out_shape)
+
+    @property
+    def writes_partials(self):
+        return self.plan.split > 1
+
+
+@dataclass(frozen=True)
+class AttnCombine(Spec):
+    """The `parts` key splits of one attention combined (weighted by their log-sum-exps), then
+    the epilogue. `partial` is the attention's float32 buffer, read by address."""
+
+    family = "attn_combine"
+    partial: Expr
+    parts: int
+    b: int
+    h: int
+    lq: int
+    dv: int
+
+    def index_spaces(self, out_shape):
+        return {"partial": None}
+
+    def shape_problems(self, out_shape):
+        problems = _bhld_problems(self, out_shape)
+        have = numel(self.partial.buf.shape)
+        need = self.parts * self.b * self.h * self.lq * (self.dv + 1)
+        if have < need:
+            problems.append(f"reads {need} partial elements from {self.partial.buf.name}, which "
+                            f"holds {have}")
+        return problems
+
+
+@dataclass(frozen=True)
+class ToExtent(Spec):
+    """A tensor's value (`n.item()`) clamped to [lo, hi], stored as the value of `symbol` in the
+    extents (the kernel's `out` is ir.EXTENTS)."""
+
+    family = "to_extent"
+    src: Expr
+    symbol: sympy.Symbol
+    lo: int
+    hi: int
+
+    def index_spaces(self, out_shape):
+        return {"src": ()}
+
+
+# ---- the registry ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Family:
+    """What the stages need to know about a family besides its spec's fields."""
+
+    spec: type[Spec]
+    template: Callable        # codegen: (kernel, Writer) -> (grid, num_warps, num_stages)
+    # fuse.py: a pointwise reader of its result may be folded into its store (fusable_producer),
+    # and it may be such a reader itself (fusable_consumer)
+    fusable_producer: bool = False
+    fusable_consumer: bool = False
+    # it writes part of a buffer an earlier kernel wrote (a value of its own it has not)
+    scatters: bool = False
+    # it stores a size symbol's word of the extents table (data-dependent sizes): it always runs,
+    # and the kernels that read the extents after it depend on it
+    writes_extents: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.family
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family(Pointwise, codegen.pointwise, fusable_producer=True, fusable_consumer=True),
+    Family(Reduction, codegen.reduction, fusable_producer=True),
+    Family(Softmax, codegen.softmax, fusable_producer=True),
+    Family(LayerNorm, codegen.layer_norm, fusable_producer=True),
+    Family(Matmul, codegen.matmul, fusable_producer=True),
+    Family(Attention, codegen.attention, fusable_producer=True),
+    Family(AttnCombine, codegen.attn_combine, fusable_producer=True),
+    Family(Scatter, codegen.scatter, scatters=True),
+    Family(Compact, codegen.compact, writes_extents=True),
+    Family(ToExtent, codegen.to_extent, writes_extents=True),
+    Family(Argreduce, codegen.argreduce),
+    Family(Scan, codegen.scan),
+    Family(Sort, codegen.sort),
+)}
+
+
+def of(kernel: Kernel) -> Family:
+    """The registry entry of a kernel's family."""
+    try:
+        return FAMILIES[kernel.family]
+    except KeyError:
+        raise KeyError(f"kernel family {kernel.family!r} ({type(kernel.spec).__name__}) is not in "
+                       "the registry (aot/families.py FAMILIES)") from None
