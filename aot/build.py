@@ -12,6 +12,13 @@ parameter types, the divisibility hints, the target, every option handed to `tri
 Triton version, and RECIPE_VERSION for what the code of this module decides. The recipe is read
 from the request itself (`signature`, `attrs`, `target`, `triton_options`), by the key and by
 `compile_one` alike, so the two cannot drift apart.
+
+The compile target's multiprocessor count (format 3.5: formats.archs.SM_COUNTS, `--sm-count`) is
+in the key through the source: the tile plans it decides (split-K, attention splits, block sizes)
+are literals of the generated code, and nothing else of a build depends on it (Triton's compile
+takes no SM count). It is deliberately not hashed on its own: a kernel whose source does not change
+with the count (most of them) keeps one cache entry per arch, whichever part it is planned for.
+An option that hands the count to triton.compile belongs in `options`, which the key hashes.
 """
 from __future__ import annotations
 

@@ -1,10 +1,15 @@
 """The compiler driver: PIPELINE, the named list of stages, run in order into a package.
 
-    export → symbols → per bucket: lower → fuse → memplan → codegen → table → override → build
-    → package
+    export → symbols → per target, per bucket: lower → fuse → memplan → codegen → table →
+    override → build → package
 
 Each stage is a function from one state to the next: the program-level ones take and return the
-CompileState, the per-bucket ones a BucketState (one per shape bucket, run bucket by bucket).
+CompileState, the per-bucket ones a BucketState (one per shape bucket and compile target, run one
+after the other). A *target* (format 3.5, per-arch variants) is the archs compiled alike: the same
+PDL setting (sm_90+ only) and the same SM count (formats.archs.SM_COUNTS, or --sm-count). Export,
+decompositions and symbols are shared; each target lowers, fuses, plans and generates its own
+graphs, so two targets take about twice as long as one. Kernels of identical source are built once
+per arch and stored once; so are graphs identical across targets (aot/package.py).
 Between stages, GRACE_DUMP=DIR writes each state (aot/dump.py), GRACE_VERIFY=1 checks the IR
 after lower, fuse and memplan (aot/verify_ir.py), and the override stage applies
 GRACE_OVERRIDE=DIR (kernel sources by name). docs/architecture.md, "Seeing between the stages".
@@ -22,12 +27,14 @@ from typing import Callable
 
 import torch
 
-from . import (build, codegen, dump, export, fuse, generation, lower, memplan, package, shapes,
-               verify_ir, versions)
+from grace.formats import archs as arch_rules
+
+from . import (build, codegen, dump, export, fuse, gemm_tiles, generation, lower, memplan, package,
+               shapes, verify_ir, versions)
 from .check import relocate
 
-ARCH_RE = re.compile(r"^sm_(\d{2,3})$")
-PDL_MIN_ARCH = 90
+ARCH_RE = re.compile(r"^sm_(\d{2,3})$")   # the compile targets (formats.archs.COMPILE_ARCH_RE)
+PDL_MIN_ARCH = 90                         # formats.archs.PDL_MIN_CAPABILITY, as sm_XY digits
 # Triton input_precision values for fp32 dots (GEMMs and attention), most accurate last. (Triton
 # 3.6 also has bf16x3/bf16x6, but its interpreter rejects them, so --interpret could not run them.)
 FP32_MATMUL_CHOICES = ("tf32", "tf32x3", "ieee")
@@ -49,16 +56,20 @@ class CompileOptions:
     # ("capacity", N)?) — docs/design-state.md
     generate: tuple = ()
     # programmatic dependent launch (docs/design-pdl.md). Off by default: as built today it made
-    # the Llama-1B decode token 10% slower on the H200 (docs/performance.md). Needs sm_90+.
+    # the Llama-1B decode token 10% slower on the H200 (docs/performance.md). Applied to the sm_90+
+    # archs; the others get graphs without it (format 3.5 variants).
     pdl: bool = False
+    # multiprocessor counts per arch for another part than formats.archs.SM_COUNTS's:
+    # (("sm_90", 114),) for an H100 PCIe. The tile plans (split-K, attention splits) fill this many.
+    sm_count: tuple = ()
 
     def __post_init__(self):
         if not self.archs:
             raise ValueError("at least one --arch is required")
         for arch in self.archs:
-            m = ARCH_RE.match(arch)
-            if not m or int(m.group(1)) < 80:
-                raise ValueError(f"unsupported arch {arch!r}: expected sm_80, sm_90, sm_100, ...")
+            arch_rules.check_compile_arch(arch)
+        if len(set(self.archs)) != len(self.archs):
+            raise ValueError(f"archs: {', '.join(self.archs)} lists an arch twice")
         if self.fp32_matmul not in FP32_MATMUL_CHOICES:
             raise ValueError(f"fp32_matmul must be one of {', '.join(FP32_MATMUL_CHOICES)}, "
                              f"not {self.fp32_matmul!r}")
@@ -70,20 +81,63 @@ class CompileOptions:
         if spec and not {"tokens", "positions"} <= set(spec):
             raise ValueError("generate needs tokens=NAME and positions=NAME (the export's input "
                              "names)")
-        # griddepcontrol does not exist before sm_90 (ptxas rejects it)
-        without = [a for a in self.archs if int(ARCH_RE.match(a).group(1)) < PDL_MIN_ARCH]
-        if self.pdl and without:
-            raise ValueError(f"pdl needs sm_90 or newer, but the archs include {', '.join(without)}; "
-                             "compile those separately or pass pdl=False (--no-pdl)")
+        # griddepcontrol does not exist before sm_90 (ptxas rejects it): pdl applies to the sm_90+
+        # archs, and needs one
+        if self.pdl and not any(arch_rules.supports_pdl(a) for a in self.archs):
+            raise ValueError(f"pdl needs sm_90 or newer, but the archs are {', '.join(self.archs)}; "
+                             "add one (--arch sm_90) or leave pdl off")
+        counts = dict(self.sm_count)
+        if len(counts) != len(self.sm_count):
+            raise ValueError("sm_count: an arch is given twice")
+        for arch, n in counts.items():
+            if arch not in self.archs:
+                raise ValueError(f"sm_count: {arch} is not one of the archs compiled for "
+                                 f"({', '.join(self.archs)})")
+            arch_rules.check_sm_count(n, f"sm_count for {arch}")
+        for arch in self.archs:
+            arch_rules.sm_count(arch, counts)   # ValueError: no count known for this arch
+
+    def targets(self) -> list["Target"]:
+        """The compile targets: archs with the same pdl and SM count share one (and one set of
+        graphs), in the order of their first arch."""
+        counts = dict(self.sm_count)
+        groups: dict[tuple, list] = {}
+        for arch in self.archs:
+            key = (self.pdl and arch_rules.supports_pdl(arch), arch_rules.sm_count(arch, counts),
+                   gemm_tiles.table_arch(arch))
+            groups.setdefault(key, []).append(arch)
+        return [Target(tuple(a), pdl, n, tiles) for (pdl, n, tiles), a in groups.items()]
 
     def recorded(self) -> dict:
+        """The options the manifest records (informative, SPEC §3) and the lowering reads:
+        archs, fp32_matmul, pdl as asked, and `targets`, what each group of archs was compiled
+        for ([{archs, pdl, sm_count}], format 3.5)."""
         d = asdict(self)
-        d.pop("progress")
-        d.pop("jobs")
-        d.pop("buckets")
-        d.pop("generate")
+        for key in ("progress", "jobs", "buckets", "generate", "sm_count"):
+            d.pop(key)
         d["archs"] = list(self.archs)
+        d["targets"] = [t.recorded() for t in self.targets()]
         return d
+
+
+@dataclass(frozen=True)
+class Target:
+    """One compile target (a variant of format 3.5): the archs compiled alike."""
+    archs: tuple
+    pdl: bool          # kernels wait (gdc) and edges into prefetching kernels are programmatic
+    sm_count: int      # the multiprocessors the tile plans fill
+    gemm_tiles: str | None = None   # the arch whose measured GEMM tiles it uses (gemm_tiles.py)
+
+    def recorded(self) -> dict:
+        return {"archs": list(self.archs), "pdl": self.pdl, "sm_count": self.sm_count,
+                "gemm_tiles": self.gemm_tiles}
+
+    def lowering_options(self, options: CompileOptions) -> dict:
+        """What lower.lower is given for this target: the recorded options with this target's
+        pdl and `sm_count` (an int: the lowering's tile plans read it)."""
+        d = options.recorded()
+        d.pop("targets")
+        return {**d, "pdl": self.pdl, "sm_count": self.sm_count, "tile_table": self.gemm_tiles}
 
 
 @dataclass
@@ -96,7 +150,7 @@ class CompileReport:
 
 def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90",),  # noqa: A001
             name=None, progress=False, fp32_matmul=None, jobs=None, dynamic_shapes=None,
-            buckets=None, generate=None, pdl=False) -> Path:
+            buckets=None, generate=None, pdl=False, sm_count=None) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
     `example_inputs` (positional) and `kwargs` (keyword example inputs) go to torch.export as its
@@ -110,8 +164,14 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     `{"seq": [64, 128, 512]}`. `generate={"tokens": "idx", "positions": "input_pos"}` marks a
     causal LM for `Session.generate` (optional "logits": an output name, default the first;
     "capacity": cache positions, default the size of the state dimension `positions` indexes).
-    `pdl=True`: programmatic edges between kernels (docs/design-pdl.md; sm_90+ only). Off by
-    default: measured slower on the H200 so far (docs/performance.md).
+    `pdl=True`: programmatic edges between kernels (docs/design-pdl.md) in the graphs for the
+    sm_90+ archs; archs before sm_90 get graphs without them. Off by default: measured slower on
+    the H200 so far (docs/performance.md).
+    `archs` with different settings (pdl on sm_90 but not sm_80, or different SM counts) make one
+    package with per-arch variants (format 3.5): each target is lowered and generated on its own
+    (compile time grows with the number of targets), the runtime runs the variant of its GPU.
+    `sm_count={"sm_90": 114}`: the multiprocessor count to plan an arch's tiles for, for a part
+    other than formats.archs.SM_COUNTS's (the H100 PCIe has 114, the table's H100/H200 132).
 
     A library call prints nothing: `progress=True` reports each stage and a build progress bar on
     stderr (what `grace compile` shows). Errors are exceptions (LoweringError names the op and
@@ -119,7 +179,8 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     options = CompileOptions(tuple(archs), fp32_matmul or lower.DEFAULT_OPTIONS["fp32_matmul"],
                              jobs, progress,
                              tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()),
-                             tuple((generate or {}).items()), bool(pdl))
+                             tuple((generate or {}).items()), bool(pdl),
+                             tuple((str(k), v) for k, v in (sm_count or {}).items()))
     dim_names = None
     if isinstance(program, torch.nn.Module):
         if example_inputs is None and not kwargs:
@@ -178,7 +239,9 @@ class BucketState:
     """One bucket on its way through the per-bucket stages."""
 
     bounds: dict                  # symbol name -> bound (the input symbols of this bucket)
-    name: str                     # the graph's name: "seq=128,batch=2", or "main" when static
+    name: str                     # "seq=128,batch=2", "main" when static; "...@sm_80" per target
+    target: object = None         # the compile Target (None: the options' only one)
+    bucket_name: str = ""         # the name without the target
     program: object = None        # lower: the lowered ir.Program
     kernels: list | None = None   # fuse: the kernels after epilogue fusion (empty ones dropped)
     plan: object = None           # memplan: the memplan.MemoryPlan
@@ -200,7 +263,8 @@ class CompileState:
     lists: dict = field(default_factory=dict)     # symbols: bucket bounds per input symbol
     sym_index: dict = field(default_factory=dict)  # symbols: sympy symbol -> extents word
     output_names: list = field(default_factory=list)
-    buckets: list = field(default_factory=list)   # symbols: one BucketState per graph
+    targets: list = field(default_factory=list)   # symbols: the compile Targets (format 3.5)
+    buckets: list = field(default_factory=list)   # symbols: one BucketState per graph, per target
     graphs: list = field(default_factory=list)    # table: the buckets' GraphBuilds
     checks: list = field(default_factory=list)    # table: the manifest's index_checks
     layout: tuple = ()            # table: (slots, extents, table bytes, error word)
@@ -245,8 +309,14 @@ def _symbols(st: CompileState) -> CompileState:
         generation.add_decode_bucket(st.core, st.symbols, st.lists, dict(st.options.generate))
     st.sym_index = {s.expr: i for i, s in enumerate(st.symbols)}
     st.output_names = program_output_names(st.core)
-    st.buckets = [BucketState(b, ",".join(f"{k}={v}" for k, v in b.items()) or "main")
-                  for b in shapes.combinations(st.symbols, st.lists)]
+    st.targets = st.options.targets()
+    combos = shapes.combinations(st.symbols, st.lists)
+    st.buckets = []
+    for target in st.targets:   # target by target, each in bucket order
+        for b in combos:
+            name = ",".join(f"{k}={v}" for k, v in b.items()) or "main"
+            full = name if len(st.targets) == 1 else f"{name}@{'+'.join(target.archs)}"
+            st.buckets.append(BucketState(dict(b), full, target, name))
     return st
 
 
@@ -255,7 +325,8 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
     outputs named after the model's, session state added for --generate."""
     bucket = {s.expr: b.bounds[s.name] for s in st.symbols if s.kind == "input"}
     try:
-        b.program = lower.lower(st.core, st.name, st.options.recorded(), bucket)
+        b.program = lower.lower(st.core, st.name, _target(b, st).lowering_options(st.options),
+                                bucket)
     except (lower.LoweringError, shapes.ShapeError) as exc:
         relocate(exc, st.core)   # "used at" the user's line, not torch/nn/modules/*.py
         raise
@@ -282,16 +353,25 @@ def _codegen(b: BucketState, st: CompileState) -> BucketState:
     """codegen: one Triton source per kernel, then the graph's dependency edges (which need to
     know the kernels that read the extents) and the bucket's GraphBuild."""
     b.sources = []
+    target = _target(b, st)   # its SM count is in the kernels' tile plans (the lowering's)
     for k in b.kernels:
         try:
-            b.sources.append(codegen.generate(k, st.sym_index, pdl=st.options.pdl))
+            b.sources.append(codegen.generate(k, st.sym_index, pdl=target.pdl))
         except ValueError as exc:   # a size expression a kernel cannot evaluate
             raise lower.LoweringError(f"{exc} — in the kernel for node '{k.label}'") from exc
     readers = [any(buf.kind == "extents" for buf in src.buffers) for src in b.sources]
     deps = memplan.dependencies(b.kernels, b.plan, readers)
     all_bounds = {s.name: int(b.program.bounds.get(s.expr, s.hi or 0)) for s in st.symbols}
-    b.graph = package.GraphBuild(b.name, all_bounds, b.program, b.kernels, b.plan, deps, b.sources)
+    archs = None if len(st.targets) == 1 else target.archs
+    b.graph = package.GraphBuild(b.name, all_bounds, b.program, b.kernels, b.plan, deps, b.sources,
+                                 archs=archs, pdl=target.pdl, sm_count=target.sm_count,
+                                 bucket_name=b.bucket_name or b.name)
     return b
+
+
+def _target(b: BucketState, st: CompileState) -> Target:
+    """The bucket's compile target (a BucketState made without one: the options' first)."""
+    return b.target if b.target is not None else st.options.targets()[0]
 
 
 def _table(st: CompileState) -> CompileState:
@@ -309,18 +389,51 @@ def _table(st: CompileState) -> CompileState:
     slots, extents, _, _ = st.layout
     st.writer = codegen.table_writer_source(slots, extents)
     if st.options.generate:
-        st.step = generation.plan(st.graphs, st.symbols, dict(st.options.generate))
+        # one step for every target (it reads the logits and writes the state, the same in each);
+        # decode_graph indexes st.graphs, whose first graphs are the first target's
+        steps = [generation.plan(graphs, st.symbols, dict(st.options.generate))
+                 for graphs in _graphs_by_target(st)]
+        if len({s.source.name for s in steps}) != 1:
+            raise lower.LoweringError("internal: the generation step differs between compile "
+                                      "targets")
+        st.step = steps[0]
     st.recorded = st.options.recorded()
     if st.lists:
         st.recorded["buckets"] = st.lists
         st.recorded["bucket_cost"] = _cost_note(st.symbols, st.lists)
     st.unique = {s.name: s for s in [st.writer] + [src for g in st.graphs for src in g.sources]
                  + ([st.step.source] if st.step else [])}
-    _say(st.options, f"[bold]grace[/]: {st.name}: {len(st.graphs)} graph(s), "
+    _check_same_builds([st.writer] + [src for g in st.graphs for src in g.sources])
+    targets = "" if len(st.targets) == 1 else \
+        f" for {len(st.targets)} targets ({'; '.join(_target_text(t) for t in st.targets)})"
+    _say(st.options, f"[bold]grace[/]: {st.name}: {len(st.graphs)} graph(s){targets}, "
                      f"{sum(len(g.kernels) for g in st.graphs)} kernels ({len(st.unique) - 1} "
                      f"unique), arena ≤ {max(g.plan.arena_nbytes for g in st.graphs)} B, "
                      f"weights {st.graphs[0].plan.weights_nbytes} B")
     return st
+
+
+def _graphs_by_target(st: CompileState) -> list[list]:
+    """st.graphs split by compile target, in target order (each in bucket order)."""
+    out: dict = {}
+    for b in st.buckets:
+        out.setdefault(_target(b, st), []).append(b.graph)
+    return list(out.values())
+
+
+def _target_text(t: Target) -> str:
+    return f"{'+'.join(t.archs)}: {t.sm_count} SMs{', pdl' if t.pdl else ''}"
+
+
+def _check_same_builds(sources) -> None:
+    """Kernels are shared by name (the hash of their source): one name must mean one build (the
+    same parameter types, warps and stages), in every bucket and every target."""
+    seen: dict[str, tuple] = {}
+    for src in sources:
+        build_of = (tuple(src.param_types), src.num_warps, src.num_stages)
+        if seen.setdefault(src.name, build_of) != build_of:
+            raise AssertionError(f"internal: kernel {src.name} generated twice with different "
+                                 f"builds: {seen[src.name]} / {build_of}")
 
 
 def _override(st: CompileState) -> CompileState:
@@ -343,10 +456,13 @@ def _override(st: CompileState) -> CompileState:
 
 
 def _build(st: CompileState) -> CompileState:
-    """build: every unique kernel compiled to a cubin for every arch (cached, in parallel)."""
+    """build: every unique kernel compiled to a cubin for each arch that runs it (every arch of
+    the targets whose graphs use it; cached, in parallel)."""
+    archs = package.kernel_archs(st.writer, st.graphs, list(st.options.archs),
+                                 [st.step.source] if st.step else ())
     st.requests = [build.BuildRequest(s.name, s.source, tuple(s.param_types), s.num_warps,
                                       s.num_stages, arch)
-                   for s in st.unique.values() for arch in st.options.archs]
+                   for s in st.unique.values() for arch in archs[s.name]]
     st.cached = [build.is_cached(r) for r in st.requests]
     binaries = _build_with_progress(st.requests, st.options)
     st.binaries = {(r.name, r.arch): b for r, b in zip(st.requests, binaries)}

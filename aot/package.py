@@ -11,10 +11,19 @@ SPEC §3.4): per kernel its parameters, block, shared memory and every node it w
 (grid, and per parameter the buffer and the bytes it may touch); per graph its bucket and memory
 plan. The reader checks every node against them (grace.formats.crosscheck). They add manifest data
 only: kernel sources and binaries are the same with or without them.
+
+Format 3.5: per-arch variants (SPEC §3.5). Each GraphBuild belongs to one compile target (the archs
+compiled alike: the same pdl, the same SM count) and serves its archs. Graphs identical across
+targets are stored once, serving the union of their archs; a graph that serves every arch has no
+`archs` key and its plain name (so a single-target package is a 3.4 package), any other one
+`archs` and a name with its archs (`seq=128@sm_80`). A kernel has a binary for exactly the archs of
+the graphs that run it (the table writer and the generation step: every arch), and kernels of
+identical source are stored once, as before.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +78,13 @@ class GraphBuild:
     deps: list
     sources: list
     stats: dict = field(default_factory=dict)
+    # format 3.5: the compile target: its archs (None: every arch of the package), whether its
+    # sources wait (pdl) and the SM count its tile plans assume (None: not recorded); `bucket_name`
+    # is the name without the target (default: `name`)
+    archs: tuple | None = None
+    pdl: bool | None = None
+    sm_count: int | None = None
+    bucket_name: str | None = None
 
 
 def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict,
@@ -130,10 +146,13 @@ def _graph_record(g: GraphBuild, symbols: list) -> dict:
     names = [p.buffer.name for p in buffers]
     if len(set(names)) != len(names):
         raise AssertionError(f"internal: graph {g.name} has two arena buffers of one name")
-    return {"bucket": {s.name: [int(s.lo), int(g.bucket[s.name])] for s in symbols},
-            "buffers": [{"name": p.buffer.name, "dtype": p.buffer.dtype, "offset": p.offset,
-                         "nbytes": p.nbytes, "first": p.first + 1, "last": p.last + 1}
-                        for p in buffers]}
+    record = {"bucket": {s.name: [int(s.lo), int(g.bucket[s.name])] for s in symbols},
+              "buffers": [{"name": p.buffer.name, "dtype": p.buffer.dtype, "offset": p.offset,
+                           "nbytes": p.nbytes, "first": p.first + 1, "last": p.last + 1}
+                          for p in buffers]}
+    if g.pdl is not None and g.sm_count is not None:   # 3.5: what the graph was planned for
+        record["target"] = {"pdl": bool(g.pdl), "sm_count": int(g.sm_count)}
+    return record
 
 
 def _kernel_record(src: KernelSource, binaries: dict, archs: list[str], uses: list,
@@ -168,13 +187,28 @@ def weight_view(tensor: torch.Tensor):
     return flat.view(torch.uint8).numpy()
 
 
+def kernel_archs(writer: KernelSource, graphs: list[GraphBuild], archs: list[str],
+                 extra=()) -> dict[str, tuple]:
+    """Kernel name -> the archs it needs a binary for (format 3.5), in `archs` order: those of the
+    graphs that run it; the table writer and `extra` (the generation step) run in every variant."""
+    need: dict[str, set] = {writer.name: set(archs)}
+    for src in extra:
+        need.setdefault(src.name, set()).update(archs)
+    for g in graphs:
+        served = archs if g.archs is None else g.archs
+        for src in g.sources:
+            need.setdefault(src.name, set()).update(served)
+    return {name: tuple(a for a in archs if a in wanted) for name, wanted in need.items()}
+
+
 def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: dict,
                     archs: list[str], sections: dict,
-                    extra=()) -> tuple[list[dict], dict[str, int], list]:
-    """The `kernels` entries (one per unique source), the index of each by name, and their sources
-    in that order (for the records, `_kernel_record`)."""
+                    extra=()) -> tuple[list[dict], dict[str, int], list, dict]:
+    """The `kernels` entries (one per unique source), the index of each by name, their sources in
+    that order (for the records, `_kernel_record`) and the archs of each (kernel_archs)."""
     unique: dict[str, int] = {}
     entries, sources = [], []
+    per_kernel = kernel_archs(writer, graphs, archs, extra)
     for src in [writer] + [s for g in graphs for s in g.sources] + list(extra):
         if src.name in unique:
             continue
@@ -183,7 +217,7 @@ def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: di
         sha = hashlib.sha256(src.source.encode()).hexdigest()
         sections[f"src/{src.name}.py"] = src.source.encode()
         entry_bins, shared, gscratch, pscratch = {}, 0, 0, 0
-        for arch in archs:
+        for arch in per_kernel[src.name]:
             binary = binaries[(src.name, arch)]
             section = f"cubin/{src.name}.{arch}"
             sections[section] = binary.cubin
@@ -198,7 +232,7 @@ def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: di
             "hidden_params": HIDDEN_PARAMS, "writes": list(src.writes), "global_scratch_size": gscratch,
             "profile_scratch_size": pscratch, "source_sha256": sha,
             "binaries": entry_bins, "source": f"src/{src.name}.py"})
-    return entries, unique, sources
+    return entries, unique, sources, per_kernel
 
 
 def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, extents,
@@ -298,7 +332,7 @@ def index_checks(graphs: list[GraphBuild], symbols: list) -> list[dict]:
     names = {s.expr: s.name for s in symbols}
     found: dict[int, dict] = {}
     for g in graphs:
-        used = {n.param for k in g.kernels for e in exprs([k.epilogue, k.inputs]) for n in walk(e)
+        used = {n.param for k in g.kernels for e in exprs(k.exprs()) for n in walk(e)
                 if isinstance(n, Op) and n.op == "check_index"}
         for check in g.program.index_checks:
             if check["code"] not in used:
@@ -320,9 +354,11 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
     from grace.formats import TensorBlob
 
     sections: dict = {}
-    kernel_entries, unique, kernel_sources = _kernel_entries(writer, graphs, binaries, archs, sections,
-                                                             [step.source] if step else ())
+    kernel_entries, unique, kernel_sources, per_kernel = _kernel_entries(
+        writer, graphs, binaries, archs, sections, [step.source] if step else ())
     uses: dict[int, list] = {}
+    kept, of_graph = _variant_graphs(graphs, writer, unique, slots, extents, table_nbytes,
+                                     bool(options.get("pdl")), errors, symbols, archs)
     first = graphs[0]
     program, plan = first.program, first.plan
     names = {s.expr: s.name for s in symbols}
@@ -354,16 +390,25 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
                            "first": p.first + 1, "last": p.last + 1}
                           for p in sorted(plan.arena.values(), key=lambda p: p.first)],
         "kernels": kernel_entries,
-        "graphs": [_graph_entry(g, writer, unique, slots, extents, table_nbytes,
-                                bool(options.get("pdl")), errors, i, uses)
-                   for i, g in enumerate(graphs)],
+        "graphs": [],
     }
-    for entry, g in zip(manifest["graphs"], graphs):   # format 3.4: what each graph was lowered for
-        entry["compiled"] = _graph_record(g, symbols)
+    for i, (g, served, one_target) in enumerate(kept):   # one entry per distinct graph (3.5)
+        entry = _graph_entry(g, writer, unique, slots, extents, table_nbytes,
+                             _pdl_of(g, options), errors, i, uses)
+        entry["compiled"] = _graph_record(g, symbols)   # format 3.4: what it was lowered for
+        if not one_target:   # the same graph for targets planned differently: no single target
+            entry["compiled"].pop("target", None)
+        if served != tuple(archs):
+            entry["name"] = f"{g.bucket_name or g.name}@{'+'.join(served)}"
+            entry["archs"] = list(served)
+        else:
+            entry["name"] = g.bucket_name or g.name
+        manifest["graphs"].append(entry)
     if checks:   # format 3.3: what each code a kernel stores into table.errors means
         manifest["index_checks"] = [dict(c) for c in checks]
     if step is not None:
         manifest["generate"] = _generate_entry(step, first, slots, extents)
+        manifest["generate"]["decode_graph"] = of_graph[step.decode_graph]
         manifest["generate"]["step"]["kernel"] = unique[step.source.name]
         # the step serves every graph's logits: its slots are described without a bucket's shape
         uses.setdefault(unique[step.source.name], []).append(_use(
@@ -371,13 +416,53 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
     positions = table.word_positions([(s["offset"], s["rank"]) for s in slots],
                                      extents["offset"], extents["count"])
     for k, (entry, src) in enumerate(zip(kernel_entries, kernel_sources)):   # format 3.4
-        entry["compiled"] = _kernel_record(src, binaries, archs, uses.get(k, []),
+        entry["compiled"] = _kernel_record(src, binaries, per_kernel[src.name], uses.get(k, []),
                                            positions if src is writer else None)
     # streamed from the weight tensors into the file: an 8B model's weights are not copied in RAM
     sections["weights"] = TensorBlob({
         b.name: (b.dtype, tuple(b.shape), weight_view(program.weight_data[b.name]))
         for b in program.weights})
     return manifest, sections
+
+
+def _pdl_of(g: GraphBuild, options: dict) -> bool:
+    """Whether graph g's kernel edges may be programmatic: its target's pdl (format 3.5), else the
+    compile option."""
+    return bool(options.get("pdl")) if g.pdl is None else bool(g.pdl)
+
+
+def _variant_graphs(graphs: list[GraphBuild], writer, unique, slots, extents, table_nbytes: int,
+                    pdl: bool, errors, symbols, archs: list[str]) -> tuple[list, list]:
+    """The graphs the manifest stores (format 3.5): one per distinct graph, with the archs it serves
+    (the union of the targets whose graph it is, in `archs` order). Two targets' graphs of one
+    bucket are the same graph when everything the manifest says about them is (nodes, arena,
+    memory plan, what their kernels were compiled for there). Returns ([(GraphBuild, archs, whether
+    its targets share one pdl and SM count)], the manifest index of each of `graphs`)."""
+    keys: dict[str, int] = {}
+    kept: list = []
+    served: list[set] = []
+    settings: list[set] = []   # the (pdl, sm_count) of the targets whose graph each one is
+    of_graph = []
+    for g in graphs:
+        probe: dict = {}   # the records of this graph's nodes alone, graph index 0
+        entry = _graph_entry(g, writer, unique, slots, extents, table_nbytes,
+                             _pdl_of(g, {"pdl": pdl}), errors, 0, probe)
+        entry.pop("name")
+        entry["compiled"] = _graph_record(g, symbols)
+        entry["compiled"].pop("target", None)   # equal graphs serve targets that differ elsewhere
+        key = json.dumps([entry, sorted(probe.items())], sort_keys=True, default=repr)
+        at = keys.get(key)
+        if at is None:
+            at = keys[key] = len(kept)
+            kept.append(g)
+            served.append(set())
+            settings.append(set())
+        served[at].update(archs if g.archs is None else g.archs)
+        settings[at].add((g.pdl, g.sm_count))
+        of_graph.append(at)
+    kept = [(g, tuple(a for a in archs if a in s), len(t) == 1)
+            for g, s, t in zip(kept, served, settings)]
+    return kept, of_graph
 
 
 def _grace_version() -> str:

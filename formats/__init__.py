@@ -5,7 +5,8 @@ torch or triton, and the compiler can write them on machines without a GPU.
 
 One module per shared fact: `manifest.validate_manifest` is the one check of a manifest,
 `view` the one typed reading of what it accepted (SPEC defaults filled in), `table` the
-argument-table layout that the compiler, the runtime and the tools all use.
+argument-table layout that the compiler, the runtime and the tools all use, `archs` the rules
+about architecture names (parsing, PDL support, SM counts, which arch a GPU runs).
 """
 
 from .container import FORMAT_VERSION
@@ -15,13 +16,14 @@ from .errors import (BadMagicError, ChecksumError, FormatError, ManifestError, T
 from .manifest import Symbol, validate_manifest
 from .package import Package, read_package, write_package
 from .shapes import SHAPE_OPS, eval_shape_expr, expr_symbols, format_shape_expr, select_graph
-from .view import Manifest, as_view
+from .view import Manifest, as_view, for_arch, variants
 from .weights import TensorBlob, decode_state, decode_weights, encode_state, encode_weights
 
 __all__ = [
     "write_package", "read_package", "Package", "TensorBlob", "encode_weights", "decode_weights", "encode_state",
     "decode_state",
     "validate_manifest", "as_view", "Manifest", "Symbol", "eval_shape_expr", "expr_symbols",
+    "for_arch", "variants",
     "format_shape_expr", "select_graph", "SHAPE_OPS", "FORMAT_VERSION", "DTYPES", "FormatError", "BadMagicError",
     "UnsupportedVersionError", "TruncatedError", "ChecksumError", "ManifestError",
 ]

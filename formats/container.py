@@ -48,7 +48,12 @@ MAGIC = b"GRACE\0PK"
 # reader ignores both keys (it never reads out of range either, it just reports nothing).
 # 3.4: the compiler's records (`kernels[i].compiled`, `graphs[i].compiled`, SPEC §3.4), which the
 # validator checks every node against (formats/crosscheck.py); a 3.3 reader ignores them.
-FORMAT_VERSION = (3, 4)
+# 3.5: per-arch variants: `graphs[i].archs` (the archs a graph serves; absent: all) so one package
+# holds graphs per target (PDL sources and edges for sm_90+, none for sm_80; tile plans per SM
+# count), a kernel's `binaries` cover the archs of the graphs that use it. A package with one
+# variant is a 3.4 package; one with several is refused by a 3.4 reader (duplicate buckets or a
+# missing binary: a ManifestError, never a misread), SPEC §6.
+FORMAT_VERSION = (3, 5)
 ALIGN = 4096  # section data starts on a page boundary so the weights blob can be mmapped in place
 
 _HEADER = struct.Struct("<8sHHIQQQQQII32s32s")

@@ -37,6 +37,12 @@ against the cubin itself at load (grace.runtime.abi).
 
 A package has records for every kernel and graph or for none: deleting one record is refused, and
 a package without records (3.3, or a handmade 3.4 one) is checked as before (SPEC §6).
+
+Format 3.5 (per-arch variants, SPEC §3.5) adds two rules: a kernel whose record says it waits
+(gdc_wait, griddepcontrol) has no binary for an arch before sm_90, which has no griddepcontrol (C9);
+and a graph's optional `compiled.target` ({pdl, sm_count}: what the graph was planned for) is
+well-formed, pdl only for sm_90+ archs, and a graph with programmatic deps was planned with pdl
+(C10).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from __future__ import annotations
 import bisect
 import heapq
 
+from . import archs as arch_rules
 from . import limits
 from .dtypes import DTYPES, POINTER_TYPES
 from .errors import ManifestError
@@ -130,7 +137,8 @@ def check_records(m: dict, symbols: dict) -> None:
         uses[key] = _compiled_for(seen.pop(key, None), node, p, kernels)
     for key, (_, _, up) in seen.items():
         _fail(up, f"names {_node_path(key)}, which the package does not have")
-    plans = [_graph_record(g, i, symbols) for i, g in enumerate(graphs)]
+    plans = [_graph_record(g, i, symbols, tuple(g.get("archs", m["archs"])))
+             for i, g in enumerate(graphs)]
     ctx = _Context(m, symbols, plans)
     for key, node, p in nodes:
         _node(ctx, key, node, p, kernels, records, uses[key])
@@ -162,6 +170,11 @@ def _kernel_record(k: dict, i: int) -> dict:
     waits = _get(rec, "waits", rp)
     if not isinstance(waits, bool):
         _fail(f"{rp}.waits", f"expected a bool, got {type(waits).__name__}")
+    if waits:   # C9 (3.5): griddepcontrol exists from sm_90; ptxas rejects it before
+        early = sorted(a for a in k["binaries"] if not arch_rules.supports_pdl(a))
+        if early:
+            _fail(f"{p}.binaries", f"a binary for {early[0]}, but {k['name']} waits for its upstream "
+                                   "kernels (gdc_wait, griddepcontrol), which that arch does not have")
     if "writes" not in k:   # the race proof (SPEC §5.3) must not be switched off by a deletion
         _fail(f"{p}.writes", "missing: a kernel with a compiled record declares the pointer "
                              "parameters it stores through (the race check needs them)")
@@ -231,7 +244,7 @@ def _descriptor(desc, prm: dict, path: str, type_path: str) -> None:
                 _int(d, f"{path}[4][{d_i}]")
 
 
-def _graph_record(g: dict, gi: int, symbols: dict) -> dict:
+def _graph_record(g: dict, gi: int, symbols: dict, archs: tuple = ()) -> dict:
     """`graphs[gi].compiled`: its bucket against the graph's and the symbols' declared ranges, and
     its memory plan proven sound: buffers inside the graph's arena, 16-byte aligned, and no two of
     them that are live at the same node sharing a byte. Returns {"buffers": {name: buffer},
@@ -282,7 +295,31 @@ def _graph_record(g: dict, gi: int, symbols: dict) -> dict:
         if nbytes:
             spans.append((first, off, off + nbytes, last, bp))
     _live_disjoint(spans)
+    if "target" in rec:
+        _target(rec["target"], g, gp, archs)
     return {"buffers": buffers, "bucket": {n: bucket[n][1] for n in symbols}}
+
+
+def _target(target, g: dict, gp: str, archs: tuple) -> None:
+    """`graphs[gi].compiled.target` (3.5, optional): what the graph was planned for, `pdl` (its
+    sources wait and it may have programmatic edges) and `sm_count` (the multiprocessors its tile
+    plans assume). C10: pdl only for archs with griddepcontrol; programmatic deps only with pdl."""
+    tp = f"{gp}.compiled.target"
+    _dict(target, tp)
+    pdl = _get(target, "pdl", tp)
+    if not isinstance(pdl, bool):
+        _fail(f"{tp}.pdl", f"expected a bool, got {type(pdl).__name__}")
+    _int(_get(target, "sm_count", tp), f"{tp}.sm_count", lo=1, hi=arch_rules.MAX_SM_COUNT)
+    if pdl:
+        early = [a for a in archs if not arch_rules.supports_pdl(a)]
+        if early:
+            _fail(f"{tp}.pdl", f"true, but the graph serves {early[0]}, which has no programmatic "
+                               "dependent launch")
+    else:
+        for j, node in enumerate(g["nodes"]):
+            if node.get("programmatic"):
+                _fail(f"{gp}.nodes[{j}].programmatic", f"programmatic deps, but the graph was planned "
+                                                       f"without pdl ({tp}.pdl)")
 
 
 def _live_disjoint(spans: list) -> None:

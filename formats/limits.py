@@ -33,7 +33,8 @@ MAX_GRID = (2**31 - 1, 65535, 65535)   # CUDA gridDim limits
 NUM_WARPS = (1, 2, 4, 8, 16, 32)  # 32 * num_warps <= 1024 threads per block
 
 # --- counts (R13) --------------------------------------------------------------------------------
-MAX_ARCHS = 16
+MAX_ARCHS = 16                    # manifest `archs`, and each graph's `archs` (3.5)
+MAX_SM_COUNT = 4096               # a graph's compiled.target.sm_count (3.5); an H200 has 132
 MAX_SYMBOLS = 64
 MAX_IO = 1024                     # inputs, and outputs (the table has at most 2 * MAX_IO slots)
 MAX_TENSORS = 1 << 18             # entries of weights, state and arena_buffers, each (an 8B model: 291)

@@ -27,6 +27,13 @@ the slots and the extents like them, the checks against the inputs they name.
 Format 3.4 adds the compiler's records of what each kernel and graph was compiled for
 (`kernels[i].compiled`, `graphs[i].compiled`): formats.crosscheck checks every node against them
 as the last step here (SPEC §3.4, rules C1-C8), and skips that for a package without records.
+
+Format 3.5 adds per-arch variants (SPEC §3.5): a graph may name the archs it serves
+(`graphs[i].archs`, absent: all of `archs`), so one package holds, e.g., sm_90 graphs with
+programmatic edges and sm_80 graphs without. The graph rules then hold per arch (one graph per
+bucket per arch, one graph per arch without symbols), every arch serves the same buckets, a kernel
+has a binary for every arch a graph that runs it serves (and the generation step for every arch),
+and no graph of an arch before sm_90 has programmatic edges.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from . import archs as arch_rules
 from . import limits
 from .container import FORMAT_VERSION, check_section_name
 from .crosscheck import check_records
@@ -61,7 +69,7 @@ _GRID_MAX = limits.MAX_GRID
 # kernels are looked up by name in their cubin (cuModuleGetFunction): a C identifier
 _KERNEL_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,254}")
 _PARAM_TYPE_RE = re.compile(r"\*?(i1|i8|i16|i32|i64|u8|u16|u32|u64|fp8e4nv|fp8e5|fp16|bf16|fp32|fp64)")
-_ARCH_RE = re.compile(r"sm_[0-9]+[a-z]?")
+_ARCH_RE = arch_rules.ARCH_RE
 
 
 class Symbol(NamedTuple):
@@ -215,10 +223,11 @@ def validate_manifest(manifest, section_names=None) -> None:
     state = _state(m, regions, section_names)
     _arena_buffers(m, regions)
     kernels = _kernels(m, archs, section_names)
-    graphs = _graphs(m, kernels, regions, words, symbols)
+    graphs, served = _graphs(m, kernels, regions, words, symbols, archs)
     _io_extents(inputs, outputs, m.get("index_checks", ()), graphs, symbols)
     if "generate" in m:
         _generate(m["generate"], inputs, outputs, state, len(graphs), kernels, regions, words)
+    _kernel_binaries(m, kernels, served, archs)   # 3.5: a binary for every arch a kernel runs on
     check_records(m, symbols)   # 3.4: every node against what its kernel was compiled for
 
 
@@ -562,10 +571,9 @@ def _kernels(m: dict, archs: list, section_names) -> list:
                 _fail(f"{p}.writes", "duplicate entries")
         if "source_sha256" in k:
             _str(k["source_sha256"], f"{p}.source_sha256")
+        # which archs it needs a binary for depends on the graphs that run it (3.5): checked by
+        # _kernel_binaries once the graphs are
         binaries = _dict(_get(k, "binaries", p), f"{p}.binaries")
-        for arch in archs:
-            if arch not in binaries:
-                _fail(f"{p}.binaries", f"no binary for arch {arch!r}")
         for arch, sec in binaries.items():
             if arch not in archs:
                 _fail(f"{p}.binaries", f"arch {arch!r} is not listed in archs {list(archs)}")
@@ -575,16 +583,18 @@ def _kernels(m: dict, archs: list, section_names) -> list:
     return kernels
 
 
-def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict) -> list:
-    """One graph per bucket: each names its bounds (`bucket`) and arena size, and its nodes may only
-    touch that much arena, so the runtime can trust any graph it selects with the session arena."""
+def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict,
+            archs: list) -> tuple[list, list]:
+    """One graph per bucket (per arch, 3.5): each names its bounds (`bucket`), its arena size and
+    optionally the archs it serves (`archs`, absent: all), and its nodes may only touch that much
+    arena, so the runtime can trust any graph it selects with the session arena. Returns the graphs
+    and, per graph, the tuple of archs it serves."""
     graphs = _list(_get(m, "graphs", "manifest"), "graphs", limits.MAX_GRAPHS)
     if not graphs:
         _fail("graphs", "at least one graph is required")
-    if not symbols and len(graphs) != 1:
-        _fail("graphs", f"a package without symbols has exactly one graph, got {len(graphs)}")
     names = set()
-    seen_buckets: dict[tuple, int] = {}
+    served: list[tuple] = []
+    seen_buckets: dict[tuple, int] = {}   # (arch, input-symbol bounds) -> graph
     for g_i, g in enumerate(graphs):
         gp = f"graphs[{g_i}]"
         _dict(g, gp)
@@ -594,19 +604,101 @@ def _graphs(m: dict, kernels: list, regions: dict, words: int, symbols: dict) ->
         names.add(name)
         if "stats" in g:
             _dict(g["stats"], f"{gp}.stats")
+        g_archs = _graph_archs(g, gp, archs)
+        served.append(g_archs)
         key = _bucket(g, gp, symbols)
-        if key in seen_buckets:
-            _fail(f"{gp}.bucket", f"same input-symbol bounds as graphs[{seen_buckets[key]}] "
-                                  f"({_bucket_text(g['bucket'], symbols)}): it could never be selected")
-        seen_buckets[key] = g_i
+        for arch in g_archs:
+            other = seen_buckets.get((arch, key))
+            if other is not None:
+                per_arch = "archs" in g or "archs" in graphs[other]
+                if not symbols and not per_arch:
+                    _fail("graphs", f"a package without symbols has exactly one graph, got "
+                                    f"{len(graphs)}")
+                if not symbols:
+                    _fail("graphs", f"a package without symbols has exactly one graph per arch, but "
+                                    f"graphs[{other}] and graphs[{g_i}] both serve {arch}")
+                for_arch = f" for {arch}" if per_arch else ""
+                _fail(f"{gp}.bucket", f"same input-symbol bounds as graphs[{other}]{for_arch} "
+                                      f"({_bucket_text(g['bucket'], symbols)}): it could never be "
+                                      "selected")
+            seen_buckets[(arch, key)] = g_i
         arena = _int(_get(g, "arena", gp), f"{gp}.arena", lo=0)
         if arena > regions["arena"]:
             _fail(f"{gp}.arena", f"{arena} bytes exceed regions.arena ({regions['arena']} bytes)")
         region_limits = {**regions, "arena": arena}
         nodes = _list(_get(g, "nodes", gp), f"{gp}.nodes", limits.MAX_NODES)
+        before_pdl = [a for a in g_archs if not arch_rules.supports_pdl(a)]
         for n_i, node in enumerate(nodes):
-            _node(node, f"{gp}.nodes[{n_i}]", n_i, kernels, region_limits, words)
-    return graphs
+            np_ = f"{gp}.nodes[{n_i}]"
+            _node(node, np_, n_i, kernels, region_limits, words)
+            if before_pdl and node.get("programmatic"):
+                _fail(f"{np_}.programmatic", f"programmatic deps in a graph for {before_pdl[0]}, which "
+                                             "has no programmatic dependent launch (griddepcontrol "
+                                             "needs sm_90): that arch's graphs have full edges only")
+    _same_buckets(graphs, served, archs, symbols)
+    return graphs, served
+
+
+def _graph_archs(g: dict, gp: str, archs: list) -> tuple:
+    """`graphs[i].archs` (3.5): a non-empty list of unique archs of the manifest's `archs`, the GPUs
+    whose variant the graph belongs to; absent: every arch."""
+    if "archs" not in g:
+        return tuple(archs)
+    p = f"{gp}.archs"
+    g_archs = _list(g["archs"], p, limits.MAX_ARCHS)
+    if not g_archs:
+        _fail(p, "an empty list: a graph serves at least one arch (leave the key out for all)")
+    for i, a in enumerate(g_archs):
+        if not isinstance(a, str) or a not in archs:
+            _fail(f"{p}[{i}]", f"{a!r} is not one of the package's archs {list(archs)}")
+    if len(set(g_archs)) != len(g_archs):
+        _fail(p, "duplicate architectures")
+    return tuple(g_archs)
+
+
+def _same_buckets(graphs: list, served: list, archs: list, symbols: dict) -> None:
+    """Every arch has graphs, and the same buckets as every other arch (3.5): which calls a package
+    serves does not depend on the GPU it runs on (SPEC §3.5)."""
+    per_arch: dict[str, dict[tuple, int]] = {a: {} for a in archs}
+    for g_i, (g, g_archs) in enumerate(zip(graphs, served)):
+        key = tuple(g["bucket"][n] for n, s in symbols.items() if s.kind == "input")
+        for a in g_archs:
+            per_arch[a][key] = g_i
+    first = archs[0]
+    for i, a in enumerate(archs):
+        if not per_arch[a]:
+            _fail(f"archs[{i}]", f"no graph serves {a} (graphs[*].archs): a GPU of that arch would "
+                                 "have nothing to run")
+    for a in archs[1:]:
+        for x, y in ((a, first), (first, a)):
+            missing = [k for k in per_arch[x] if k not in per_arch[y]]
+            if missing:
+                g_i = per_arch[x][missing[0]]
+                _fail(f"graphs[{g_i}].archs" if "archs" in graphs[g_i] else f"graphs[{g_i}]",
+                      f"serves {x} at {_bucket_text(graphs[g_i]['bucket'], symbols)}, but no graph "
+                      f"serves {y} there: every arch serves the same buckets")
+
+
+def _kernel_binaries(m: dict, kernels: list, served: list, archs: list) -> None:
+    """A kernel has a binary for every arch of every graph that runs it, and the generation step's
+    kernel one for every arch (it runs in every variant), 3.5. The runtime loads the binary of the
+    arch it picked for each kernel the picked graphs run."""
+    need: dict[int, dict[str, str]] = {}   # kernel -> arch -> the first node that needs it
+    for g_i, (g, g_archs) in enumerate(zip(m["graphs"], served)):
+        for n_i, node in enumerate(g["nodes"]):
+            wanted = need.setdefault(node["kernel"], {})
+            for a in g_archs:
+                wanted.setdefault(a, f"graphs[{g_i}].nodes[{n_i}]")
+    if "generate" in m:
+        wanted = need.setdefault(m["generate"]["step"]["kernel"], {})
+        for a in archs:
+            wanted.setdefault(a, "generate.step")
+    for k, wanted in sorted(need.items()):
+        binaries = kernels[k]["binaries"]
+        for a, where in wanted.items():
+            if a not in binaries:
+                _fail(f"kernels[{k}].binaries", f"no binary for arch {a!r}, but {where} runs "
+                                                f"{kernels[k]['name']} on {a}")
 
 
 def _io_extents(inputs: list, outputs: list, checks, graphs: list, symbols: dict) -> None:

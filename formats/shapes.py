@@ -167,16 +167,20 @@ def _operand(expr, *, left: bool, tight: bool) -> str:
     return text
 
 
-def select_graph(graphs, input_symbols, values: Mapping[str, int]) -> int | None:
+def select_graph(graphs, input_symbols, values: Mapping[str, int], arch: str | None = None) -> int | None:
     """The index of the graph that serves `values` (SPEC.md §5, runtime rule 2), or None.
 
     `graphs` are the manifest's graphs, `input_symbols` the names of the input-kind symbols and
     `values` their resolved values. Among the graphs whose bucket bound is ≥ the value of every
     input symbol, the one with the smallest product of its input-symbol bounds wins (the least
     padded work), the first one on ties. A package without input symbols always selects graph 0.
+    `arch` (format 3.5): only the graphs of that arch's variant take part (a graph without
+    `archs` serves every arch); the index is still the graph's in `graphs`.
     """
     best, best_cost = None, None
     for i, g in enumerate(graphs):
+        if arch is not None and "archs" in g and arch not in g["archs"]:
+            continue
         bucket = g["bucket"]
         if any(bucket[name] < values[name] for name in input_symbols):
             continue

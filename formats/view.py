@@ -10,7 +10,11 @@ manifest through a `Manifest` instead of walking the msgpack maps, so
     including the cross-references (a node's kernel exists, a word argument is in range, ...);
   * the table's words are located once, by formats.table (`Slot.first_word`, `Table.words`);
   * the compiler's records (format 3.4: `Kernel.compiled`, `Graph.compiled`) are None for a package
-    without them; formats.crosscheck has checked every node against them when they are there.
+    without them; formats.crosscheck has checked every node against them when they are there;
+  * per-arch variants (format 3.5): every `Graph.archs` is filled in (absent: all of `archs`), and
+    `for_arch(view, arch)` is the view of one variant: the graphs that serve `arch`, renumbered
+    from 0 (`graph_index` maps them back), with `generate.decode_graph` that variant's decode graph.
+    The runtime and the CPU executor plan and select graphs on such a view only.
 
 The records are NamedTuples (immutable, cheap to build for every node of every graph); the maps
 they hold (`bucket`, `regions`, `stats`, `options`, ...) are copies the caller must not modify.
@@ -18,6 +22,8 @@ they hold (`bucket`, `regions`, `stats`, `options`, ...) are copies the caller m
     Package.view           the view of a package read by read_package (built on first use)
     as_view(manifest)      a Manifest as it is; a manifest dict validated first (ManifestError)
     build_view(manifest)   the view of a dict that already passed validate_manifest
+    variants(view)         the package's variants: (archs, graph indices) per distinct graph set
+    for_arch(view, arch)   the view of the variant that serves `arch` (default: the first arch)
 """
 
 from __future__ import annotations
@@ -125,11 +131,18 @@ class PlanBuffer(NamedTuple):
     last: int
 
 
+class Target(NamedTuple):
+    """`graphs[i].compiled.target` (3.5): what a graph was planned for."""
+    pdl: bool                  # its sources wait (gdc_wait) and it may have programmatic edges
+    sm_count: int              # the multiprocessors its tile plans assume
+
+
 class GraphRecord(NamedTuple):
     """`graphs[i].compiled` (3.4): per symbol the sizes (smallest, bound) the graph was lowered to
-    serve, and its memory plan."""
+    serve, and its memory plan; (3.5) its target, None when not recorded."""
     bucket: dict               # symbol name -> (smallest, bound)
     buffers: tuple             # PlanBuffer
+    target: Target | None = None
 
 
 class Kernel(NamedTuple):
@@ -175,6 +188,7 @@ class Graph(NamedTuple):
     nodes: tuple               # Node, in execution order
     stats: dict                # informative; absent: {}
     compiled: GraphRecord | None = None    # what it was lowered for (3.4); None: not recorded
+    archs: tuple = ()          # the archs whose variant it belongs to (3.5); absent key: all archs
 
 
 class IndexCheck(NamedTuple):
@@ -219,6 +233,10 @@ class Manifest(NamedTuple):
     graphs: tuple                  # Graph
     index_checks: tuple            # IndexCheck; empty: the package has none
     generate: Generate | None
+    # 3.5: None for the whole package; for a variant's view (for_arch) the arch it was made for and,
+    # per graph of the view, its index among the package's graphs
+    arch: str | None = None
+    graph_index: tuple | None = None
 
 
 def as_view(manifest) -> Manifest:
@@ -251,7 +269,8 @@ def build_view(m: dict) -> Manifest:
                             for b in m.get("arena_buffers", ())),
         kernels=tuple(_kernel(k) for k in m["kernels"]),
         graphs=tuple(Graph(g["name"], dict(g["bucket"]), g["arena"], tuple(_node(n) for n in g["nodes"]),
-                           dict(g.get("stats", {})), _graph_record(g.get("compiled")))
+                           dict(g.get("stats", {})), _graph_record(g.get("compiled")),
+                           tuple(g.get("archs", m["archs"])))
                      for g in m["graphs"]),
         index_checks=tuple(IndexCheck(c["code"], c["input"], c["op"], c["where"], c["size"])
                            for c in m.get("index_checks", ())),
@@ -304,9 +323,11 @@ def _kernel_record(r: dict | None) -> KernelRecord | None:
 def _graph_record(r: dict | None) -> GraphRecord | None:
     if r is None:
         return None
+    target = r.get("target")
     return GraphRecord({name: tuple(pair) for name, pair in r["bucket"].items()},
                        tuple(PlanBuffer(b["name"], b["dtype"], b["offset"], b["nbytes"], b["first"],
-                                        b["last"]) for b in r["buffers"]))
+                                        b["last"]) for b in r["buffers"]),
+                       None if target is None else Target(target["pdl"], target["sm_count"]))
 
 
 def _arg(a: dict) -> Arg:
@@ -325,6 +346,51 @@ def _generate(g: dict) -> Generate:
                     g["ctrl"], g["out_tokens"], g["next_token"], g["next_position"], _node(g["step"]))
 
 
+def _input_key(m: Manifest, g: Graph) -> tuple:
+    """A graph's bounds of the input symbols: what selection compares (SPEC §5.1 rule 2)."""
+    return tuple(g.bucket[s.name] for s in m.symbols if s.kind == "input")
+
+
+def variants(manifest) -> list[tuple[tuple, tuple]]:
+    """The package's variants (3.5): per distinct set of graphs, (the archs it serves, in `archs`
+    order; the indices of its graphs), in the order of their first arch. A package without
+    `graphs[i].archs` has one variant, every arch and every graph."""
+    m = as_view(manifest)
+    found: dict[tuple, list] = {}
+    for arch in m.archs:
+        graphs = tuple(i for i, g in enumerate(m.graphs) if arch in g.archs)
+        found.setdefault(graphs, []).append(arch)
+    return [(tuple(archs), graphs) for graphs, archs in found.items()]
+
+
+def for_arch(manifest, arch: str | None = None) -> Manifest:
+    """The view of the variant that serves `arch` (one of `archs`; None: the first): its graphs
+    only, renumbered from 0 in manifest order (`graph_index[i]` is graph i's index in the package),
+    and `generate.decode_graph` the variant's graph of the decode bucket (the bucket of the
+    package's `decode_graph`; every arch serves the same buckets, SPEC §3.5). The kernels, their
+    indices and every other field are the package's. Choosing a graph (formats.shapes.select_graph,
+    runtime.shapes.ShapePlan) on this view is SPEC §5.1 rule 2 for a GPU of that arch. A view that
+    is already a variant's is returned as it is for its own arch; ValueError for an arch the
+    package does not list."""
+    m = as_view(manifest)
+    if m.arch is not None:
+        if arch not in (None, m.arch):
+            raise ValueError(f"this view is the {m.arch} variant already; take for_arch of the "
+                             f"package's view for {arch}")
+        return m
+    arch = m.archs[0] if arch is None else arch
+    if arch not in m.archs:
+        raise ValueError(f"the package has no variant for {arch} (its archs: {', '.join(m.archs)})")
+    index = tuple(i for i, g in enumerate(m.graphs) if arch in g.archs)
+    gen = m.generate
+    if gen is not None:
+        want = _input_key(m, m.graphs[gen.decode_graph])
+        local = next(j for j, i in enumerate(index) if _input_key(m, m.graphs[i]) == want)
+        gen = gen._replace(decode_graph=local)
+    return m._replace(graphs=tuple(m.graphs[i] for i in index), generate=gen, arch=arch,
+                      graph_index=index)
+
+
 __all__ = ["Manifest", "Table", "Slot", "TensorSpec", "TensorEntry", "ArenaBuffer", "Param", "Kernel",
-           "KernelRecord", "Use", "Arg", "Node", "Graph", "GraphRecord", "PlanBuffer", "IndexCheck",
-           "Generate", "Symbol", "as_view", "build_view"]
+           "KernelRecord", "Use", "Arg", "Node", "Graph", "GraphRecord", "Target", "PlanBuffer",
+           "IndexCheck", "Generate", "Symbol", "as_view", "build_view", "variants", "for_arch"]

@@ -4,6 +4,8 @@
                                      NodePlan. The manifest passed grace.formats' checks (every
                                      argument inside its region, this graph's arena, the table words);
                                      what is left is what this runtime can run (no scratch memory).
+                                     `view` is one variant's (format 3.5, formats.view.for_arch) and
+                                     `i` the variant's graph index; kernel indices are the package's.
     param_values(plan, bases, words) pure; the 8-byte value of each kernel parameter of one node.
     ExecutableGraph(plans, ...)      driver; cuGraphCreate, cuGraphAddKernelNode per node,
                                      cuGraphInstantiate. Per call, launch(words): the table words go
@@ -37,7 +39,7 @@ from grace.formats.view import as_view
 
 from . import driver
 from .driver import call, check
-from .errors import PackageMismatchError
+from .errors import InvalidPackageError, PackageMismatchError
 
 _U64 = (1 << 64) - 1
 
@@ -67,7 +69,8 @@ def table_word_count(manifest) -> int:
 
 def plan_graph(manifest, graph_index: int = 0) -> list:
     """Graph `graph_index`'s NodePlans, in execution order. `manifest`: a formats.view.Manifest
-    (load() passes the package's), or a manifest dict, validated first (ManifestError)."""
+    (load() passes its variant's view, formats.view.for_arch: `graph_index` counts that variant's
+    graphs), or a manifest dict, validated first (ManifestError)."""
     m = as_view(manifest)
     graph = m.graphs[graph_index]
     return [plan_node(m.kernels, node, i, f"graph {graph.name!r} node {i} ({node.label or '?'})")
@@ -137,6 +140,8 @@ def add_kernel_node(graph, function, grid, block, shared, values, deps, where, p
     gdc_wait() waits for them to finish. Returns (node, ParamBlock, CUDA_KERNEL_NODE_PARAMS);
     keep both for the graph's life."""
     cu = driver.cuda()
+    if function is None:   # a kernel without a binary for the loaded arch (another variant's)
+        raise InvalidPackageError(f"{where}: its kernel has no binary for this GPU's arch")
     block_cells = ParamBlock(values)
     p = cu.CUDA_KERNEL_NODE_PARAMS()
     p.func = function

@@ -7,7 +7,10 @@
               (kernels that need Triton scratch memory, a GPU no binary is built for)
     plan      symbols, buckets and shape expressions (shapes.ShapePlan); every graph's nodes as
               kernel launches (graph.plan_graph)
-    device    cuInit, primary context; the GPU's arch picks the kernel binaries (PackageMismatchError)
+    device    cuInit, primary context; the GPU's compute capability picks one of the package's archs
+              (SPEC §5.1: exact, else sm_XYa, else the newest earlier minor of its major), and with
+              it the kernel binaries and (format 3.5) the variant: the graphs that serve that arch,
+              the only ones planned, selected and launched (PackageMismatchError when none fits)
     races     the race proof of `grace verify` (grace.tools.races) on the manifest: every pair of
               nodes touching overlapping bytes, one writing, is ordered by edges (InvalidPackageError)
     kernels   cuModuleLoadData + cuModuleGetFunction per kernel, each checked against its binary
@@ -27,11 +30,11 @@ selects it, "eager" all of them when the session is made (no first-call latency 
 
 from __future__ import annotations
 
-import re
 import time
 import weakref
 
-from grace.formats.view import TensorSpec
+from grace.formats import archs as arch_rules
+from grace.formats.view import TensorSpec, for_arch, variants
 
 from . import abi, driver, graph
 from .driver import call
@@ -47,24 +50,18 @@ INSTANTIATE_MODES = ("lazy", "eager")
 
 
 def pick_arch(capability: tuple, archs) -> str:
-    """The package arch whose cubins run on a GPU of `capability` (major, minor): the exact arch,
-    its arch-specific variant (sm_90a), or else the newest sm_XY of the same major with Y <= minor
-    (cubins run on later minors of the same major)."""
-    major, minor = capability
-    exact = f"sm_{major}{minor}"
-    for candidate in (exact, exact + "a"):
-        if candidate in archs:
-            return candidate
-    same_major = []
-    for arch in archs:
-        m = re.fullmatch(r"sm_(\d+)(\d)", arch)
-        if m and int(m.group(1)) == major and int(m.group(2)) <= minor:
-            same_major.append((int(m.group(2)), arch))
-    if same_major:
-        return max(same_major)[1]
-    raise PackageMismatchError(
-        f"this package has kernels for {', '.join(archs) or 'no arch'}, but the GPU is {exact}; "
-        f"compile the model again for {exact}")
+    """The package arch whose cubins (and, format 3.5, whose graphs) run on a GPU of `capability`
+    (major, minor): the exact arch, its arch-specific variant (sm_90a), or else the newest sm_XY of
+    the same major with Y <= minor (cubins run on later minors of the same major). The rule is
+    grace.formats.archs.pick_arch; PackageMismatchError when no arch fits."""
+    arch = arch_rules.pick_arch(tuple(capability), archs)
+    if arch is None:
+        exact = f"sm_{capability[0]}{capability[1]}"
+        raise PackageMismatchError(
+            f"this package has kernels and graphs for {', '.join(archs) or 'no arch'}, but the GPU is "
+            f"{exact}; compile the model again with --arch {exact} (a package may hold several archs: "
+            f"--arch {exact} --arch ...)")
+    return arch
 
 
 def _check_instantiate(mode) -> None:
@@ -115,7 +112,12 @@ class LoadedPackage:
     `package`: a grace.formats Package (read_package). `view`: its manifest as a
     grace.formats.view.Manifest; `manifest`: the manifest dict itself.
     `inputs` / `outputs`: lists of TensorSpec (name, dtype, shape, slot) in manifest order.
-    `graph_names`: one per bucket; `plans[i]`: graph i's NodePlans; `shapes`: the ShapePlan.
+    `arch`: the package arch picked for this GPU (SPEC §5.1); `view` is the view of its variant
+    (format 3.5, grace.formats.view.for_arch: the graphs that serve `arch`, numbered from 0;
+    `view.graph_index[i]` is graph i's index in the manifest), `package_view` the whole package's.
+    `graph_names`: one per bucket of the variant; `plans[i]`: its graph i's NodePlans; `shapes`:
+    the ShapePlan. `functions[k]`: kernel k's CUfunction, None for a kernel without a binary for
+    `arch` (one of another variant's graphs only).
     `state`: the StateEntry list (empty for a stateless package); `generate`: the GeneratePlan, or
     None when the package was compiled without --generate. `load_stats`: seconds spent reading and
     verifying the file (read_s, set by load()), loading kernels (kernels_s) and uploading the weights
@@ -132,24 +134,28 @@ class LoadedPackage:
         self.kernel_info = []   # per kernel, what the driver reported about its binary (abi.py)
         self._set_condition = None  # (module, function), loaded on the first generate()
         self._sessions = weakref.WeakSet()
+        self.shapes, self.plans, self.generate, self.graph_names = None, [], None, []
         self.manifest = package.manifest
-        self.view = view = package.view   # read_package validated it: nothing is checked twice
-        self.inputs, self.outputs = list(view.inputs), list(view.outputs)
-        # What this runtime cannot run fails here, before the GPU is touched.
-        self.shapes = ShapePlan(view)
-        self.graph_names = self.shapes.graph_names
-        self.plans = [graph.plan_graph(view, i) for i in range(len(view.graphs))]
-        self.extents_offset = view.table.extents_offset  # symbol k: 8 bytes at + 8k
-        self.index_checks = plan_index_checks(view)  # None: the package has no error word
+        # read_package validated it: nothing is checked twice
+        self.package_view = self.view = whole = package.view
+        self.inputs, self.outputs = list(whole.inputs), list(whole.outputs)
+        self.index_checks = plan_index_checks(whole)  # None: the package has no error word
         self.state = plan_state(package)
-        self.generate = GeneratePlan(view, self.state) if view.generate else None
+        # What this runtime cannot run fails here, before the GPU is touched: every variant is
+        # planned (a package is refused for what any of its graphs needs), the GPU's is kept.
+        planned = {graphs: self._plan(for_arch(whole, archs[0])) for archs, graphs in variants(whole)}
+        self.extents_offset = whole.table.extents_offset  # symbol k: 8 bytes at + 8k
         _check_races(package.manifest)
         self.load_stats = {}
         self.device = driver.Device(device)
         # programmatic edges need sm_90 (griddepcontrol); full edges are always a correct stand-in
-        self.pdl = bool(pdl) and self.device.capability >= (9, 0)
+        self.pdl = bool(pdl) and arch_rules.supports_pdl(self.device.capability)
         try:
-            self.arch = pick_arch(self.device.capability, view.archs)
+            # the GPU's arch picks the binaries and the variant (SPEC §5.1, "Before launch" 3, 8)
+            self.arch = pick_arch(self.device.capability, whole.archs)
+            self.view = for_arch(whole, self.arch)
+            self.shapes, self.plans, self.generate = planned[self.view.graph_index]
+            self.graph_names = self.shapes.graph_names
             t0 = time.perf_counter()
             self._load_kernels(package)
             t1 = time.perf_counter()
@@ -159,12 +165,26 @@ class LoadedPackage:
             self.close()
             raise
 
+    def _plan(self, view) -> tuple:
+        """(ShapePlan, NodePlans per graph, GeneratePlan or None) of one variant's view."""
+        shapes = ShapePlan(view)
+        plans = [graph.plan_graph(view, i) for i in range(len(view.graphs))]
+        generate = GeneratePlan(view, self.state) if view.generate else None
+        return shapes, plans, generate
+
     # --- loading
     def _load_kernels(self, package) -> None:
+        """Load every kernel that has a binary for the picked arch: each kernel the variant's graphs
+        and the generation step run has one (the validator checked it, SPEC §3.5); a kernel of
+        another variant's graphs only has none and stays unloaded (None)."""
         cu = driver.cuda()
         self._check_shared_memory(cu)
         for kernel in self.view.kernels:
-            section = kernel.binaries[self.arch]   # every kernel has a binary for every arch
+            section = kernel.binaries.get(self.arch)
+            if section is None:
+                self.functions.append(None)
+                self.kernel_info.append(None)
+                continue
             module = call(cu.cuModuleLoadData, bytes(package.section(section)))
             self._modules.append(module)
             try:
@@ -189,13 +209,14 @@ class LoadedPackage:
         it at the H100/H200's 227 KiB; an A100 has 163 KiB): PackageMismatchError before any module
         is loaded, instead of a failed cuFuncSetAttribute. Asked only when a kernel needs more than
         the 48 KiB every GPU gives without opting in."""
-        need = max((k.shared for k in self.view.kernels), default=0)
+        kernels = [k for k in self.view.kernels if self.arch in k.binaries]
+        need = max((k.shared for k in kernels), default=0)
         if need <= _DEFAULT_SHARED_LIMIT:
             return
         limit = call(cu.cuDeviceGetAttribute,
                      cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
                      self.device.handle)
-        kernel = next(k for k in self.view.kernels if k.shared == need)
+        kernel = next(k for k in kernels if k.shared == need)
         if need > limit:
             raise PackageMismatchError(
                 f"kernel {kernel.name} needs {need} bytes of dynamic shared memory, but this GPU "

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from grace.formats.shapes import expr_symbols, format_shape_expr
 from grace.formats.table import slot_values
-from grace.formats.view import as_view
+from grace.formats.view import as_view, for_arch, variants
 
 from .errors import InputError, InvalidPackageError
 from .validate import contiguous_strides
@@ -130,10 +130,22 @@ class ShapePlan:
     """Everything about shapes that does not depend on a call. `symbols`: names in manifest order
     (symbol k is table word W + k); `input_symbols` / `data_symbols`: their indices by kind;
     `graph_names`: one per graph. `manifest`: a formats.view.Manifest, or a manifest dict
-    (validated first)."""
+    (validated first).
 
-    def __init__(self, manifest):
+    Graphs are those of one variant (format 3.5, SPEC §5.1): a variant's view (formats.view.for_arch)
+    as it is, or the package's with `arch` naming the GPU's package arch; graph indices are the
+    variant's. A package with several variants and no `arch` is refused (InvalidPackageError): its
+    graphs for different GPUs would compete for the same calls."""
+
+    def __init__(self, manifest, arch: str | None = None):
         m = as_view(manifest)
+        if arch is not None:
+            m = for_arch(m, arch)
+        elif m.arch is None and len(found := variants(m)) > 1:
+            raise InvalidPackageError(
+                "this package holds graphs for several GPU variants ("
+                + "; ".join(", ".join(a) for a, _ in found) + "): plan the graphs of one of them "
+                "(ShapePlan(view, arch=...), grace.formats.view.for_arch)")
         symbols = m.symbols
         self.symbols = [s.name for s in symbols]
         index = {name: k for k, name in enumerate(self.symbols)}

@@ -319,10 +319,38 @@ def _archs(specs) -> list[str]:
     archs = []
     for a in specs or ["sm_90"]:
         archs += [x.strip() for x in a.split(",") if x.strip()]
-    bad = [a for a in archs if not re.fullmatch(r"sm_\d{2,3}[a-z]?", a)]
+    from grace.formats import archs as arch_rules   # the one module of arch rules
+
+    bad = [a for a in archs if not arch_rules.is_arch(a)]
     if bad:
         raise CliError(f"--arch {bad[0]!r}: expected names like sm_80, sm_90, sm_100")
     return list(dict.fromkeys(archs))
+
+
+_SM_COUNT_FORM = "expected ARCH=N, e.g. --sm-count sm_90=114 (an H100 PCIe), comma separated or repeated"
+
+
+def parse_sm_count(specs) -> dict[str, int]:
+    """`--sm-count sm_90=114[,sm_80=...]` (repeated) -> {"sm_90": 114}: the multiprocessor count
+    to plan an arch's tiles for (format 3.5; default: grace.formats.archs.SM_COUNTS). Whether the
+    arch is compiled for is the compiler's check."""
+    from grace.formats import archs as arch_rules
+
+    counts: dict[str, int] = {}
+    for spec in specs or []:
+        for item in (x.strip() for x in spec.split(",")):
+            if not item:
+                continue
+            arch, sep, value = (part.strip() for part in item.partition("="))
+            if not sep or not arch_rules.is_arch(arch) or not value.isdigit():
+                raise CliError(f"--sm-count {item!r}: {_SM_COUNT_FORM}")
+            if arch in counts:
+                raise CliError(f"--sm-count {arch} given twice")
+            try:
+                counts[arch] = arch_rules.check_sm_count(int(value), f"--sm-count {arch}")
+            except ValueError as e:
+                raise CliError(str(e)) from None
+    return counts
 
 
 def check_output(path: str, name: str = "model") -> Path:
@@ -416,12 +444,14 @@ def cmd_compile(args) -> int:
     archs = _archs(args.arch)
     buckets = parse_buckets(args.buckets)
     generate = parse_generate(args.generate)
+    sm_count = parse_sm_count(getattr(args, "sm_count", None))
     name = args.name or Path(src).stem
     output = check_output(args.output, name)   # before minutes of compiling, not after
     aot = _compiler("grace compile")
     try:   # the compiler's own option checks, as one-line errors before the export is read
         aot.CompileOptions(archs=tuple(archs), fp32_matmul=args.fp32_matmul, pdl=bool(args.pdl),
-                           generate=tuple((generate or {}).items()))
+                           generate=tuple((generate or {}).items()),
+                           sm_count=tuple(sm_count.items()))
     except ValueError as e:
         raise CliError(_one_line(e)) from e
     ep = _load_export(src)
@@ -431,6 +461,8 @@ def cmd_compile(args) -> int:
         extra["generate"] = generate
     if args.pdl:
         extra["pdl"] = True
+    if sm_count:
+        extra["sm_count"] = sm_count
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch-internal deprecation noise
@@ -519,6 +551,11 @@ def cmd_verify(args) -> int:
         raise CliError(f"{args.package}: {len(problems)} ordering problem(s){more}")
     reason = unchecked_reason(pkg.manifest)
     races = "graphs race-free" if reason is None else "race check skipped"
+    from grace.formats.view import variants
+    found = variants(pkg.view)   # format 3.5: graphs per arch
+    if len(found) > 1:
+        races += (f", {len(found)} arch variants ("
+                  + "; ".join(f"{'+'.join(a)}: {len(g)} graph(s)" for a, g in found) + ")")
     if signature is None:
         signed = "not signed"
     elif signature["valid"]:
@@ -546,7 +583,9 @@ def cmd_run(args) -> int:
     if args.interpret:
         # keys: checked again by the executor itself (None: it applies the same policy)
         trust = {} if keys is None else {"trusted_keys": keys}
-        outputs = _interpreter().run_package(pkg, inputs, poison=poison, **trust)
+        # a bar per node on a terminal's stderr (a CPU run takes minutes); quiet when piped
+        outputs = _interpreter().run_package(pkg, inputs, poison=poison,
+                                             progress=sys.stderr.isatty(), **trust)
         mode = "interpreter (CPU)"
     else:
         rt = _runtime()
@@ -602,7 +641,8 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     if args.interpret:
         trust = {} if keys is None else {"trusted_keys": keys}
-        tokens = _interpreter().generate_package(pkg, prompt, args.max_new_tokens, args.eos, **trust)
+        tokens = _interpreter().generate_package(pkg, prompt, args.max_new_tokens, args.eos,
+                                                 progress=sys.stderr.isatty(), **trust)
         mode = "interpreter (CPU)"
     else:
         rt = _runtime()
@@ -843,6 +883,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  python -c \"import torch; torch.export.save(torch.export.export(model, (x,)), 'model.pt2')\"\n"
         "  grace compile model.pt2 -o model.grace\n"
         "  grace compile model.pt2 -o model.grace --arch sm_90,sm_80 --name my-model\n"
+        "  # sm_90 graphs with PDL (132 SMs) and sm_80 graphs without it (108 SMs), one package\n"
+        "  grace compile model.pt2 -o model.grace --arch sm_80 --arch sm_90 --pdl\n"
+        "  grace compile model.pt2 -o model.grace --arch sm_90 --sm-count sm_90=114   # H100 PCIe\n"
         "\n"
         "  # a dynamic sequence length, exported with\n"
         "  #   dynamic_shapes={'input_ids': {1: torch.export.Dim('seq', min=1, max=512)}}\n"
@@ -858,7 +901,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("exported", metavar="EXPORTED.pt2", help="file written by torch.export.save")
     c.add_argument("-o", "--output", required=True, metavar="MODEL.grace", help="package to write")
     c.add_argument("--arch", action="append", metavar="SM[,SM...]",
-                   help="target architectures, comma separated or repeated (default: sm_90)")
+                   help="target architectures, comma separated or repeated (default: sm_90). Archs "
+                        "compiled alike (the same --pdl setting and SM count) share one set of graphs; "
+                        "archs that differ (--pdl applies to sm_90+ only; sm_80 plans for 108 SMs, sm_90 "
+                        "for 132) get a variant each in the same package, and the runtime runs its GPU's. "
+                        "Each variant is lowered and generated on its own: two variants take about twice "
+                        "as long to compile as one")
     c.add_argument("--name", help="model name recorded in the package (default: the file's stem)")
     c.add_argument("--fp32-matmul", choices=("tf32x3", "tf32", "ieee"), default="tf32x3",
                    help="precision of fp32 GEMMs and attention: tf32x3 is near-fp32 accuracy "
@@ -878,9 +926,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "Adds a one-token decode graph and the on-device argmax step; the token loop then "
                         "runs on the GPU with no host round trip per token")
     c.add_argument("--pdl", action="store_true",
-                   help="programmatic dependent launch between kernels (sm_90+ only; docs/design-pdl.md). "
-                        "Off by default: so far it measured slower on the H200 (docs/performance.md); "
-                        "grace.runtime.load(path, pdl=False) runs such a package with full edges, for A/B")
+                   help="programmatic dependent launch between kernels, in the graphs of the sm_90+ archs "
+                        "(docs/design-pdl.md); archs before sm_90 get graphs without it (an error when no "
+                        "arch is sm_90+). Off by default: so far it measured slower on the H200 "
+                        "(docs/performance.md); grace.runtime.load(path, pdl=False) runs such a package with "
+                        "full edges, for A/B")
+    c.add_argument("--sm-count", action="append", metavar="SM=N[,SM=N...]",
+                   help="the multiprocessor count to plan an arch's tiles (split-K, attention splits) for, "
+                        "for a part other than the default one: sm_80 108 (A100), sm_86 84, sm_89 128 (RTX "
+                        "4090), sm_90 132 (H100 SXM, H200), sm_100 148 (B200), sm_120 170; e.g. "
+                        "--sm-count sm_90=114 for an H100 PCIe. Needed for an arch without a default")
     c.set_defaults(func=cmd_compile)
 
     k = sub.add_parser(

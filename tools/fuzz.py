@@ -43,7 +43,8 @@ the summary reports the accepted dangerous ones per manifest mutant, the issue's
 Without --package the corpus is compiled once (needs grace.aot and torch) into --corpus (default:
 ~/.cache/grace/fuzz-corpus, or GRACE_FUZZ_CORPUS; delete it to recompile with a newer compiler): a
 static MLP, an MLP with batch buckets, and a one-layer CachedLlama with a KV cache, index checks and
---generate.
+--generate. (Packages with per-arch variants, format 3.5, are fuzzed by tests/test_arch_variants.py
+with --package.)
 """
 
 from __future__ import annotations
@@ -572,10 +573,14 @@ class FakeDriver:
 
     SHARED_OPTIN_MAX = 232448   # H100/H200 cudaDevAttrMaxSharedMemoryPerBlockOptin
 
-    def __init__(self, device_nbytes: int = FAKE_DEVICE_NBYTES):
+    def __init__(self, device_nbytes: int = FAKE_DEVICE_NBYTES, capability: tuple = (9, 0)):
         from cuda.bindings import driver as real
 
         self._real = real
+        self.capability = tuple(capability)   # the compute capability it reports (an H200's)
+        self.names = {}          # function handle -> its kernel name
+        self.kernel_nodes = []   # the kernel name of every kernel node added to a graph
+        self.programmatic = 0    # programmatic edges added (cuGraphAddDependencies)
         self.ok = real.CUresult.CUDA_SUCCESS
         self._err = real.CUresult
         self.device_nbytes = device_nbytes
@@ -610,7 +615,11 @@ class FakeDriver:
         a = self._real.CUdevice_attribute
         if attr == a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN:
             return (self.ok, self.SHARED_OPTIN_MAX)
-        return (self.ok, 9 if attr == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR else 0)
+        if attr == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+            return (self.ok, self.capability[0])
+        if attr == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+            return (self.ok, self.capability[1])
+        return (self.ok, 0)
 
     # modules: a cubin's kernels and what the driver would report about each are read from the
     # ELF itself (cubin_functions); PTX text (the runtime's set_condition kernel) by its entries
@@ -636,6 +645,7 @@ class FakeDriver:
             return (self._err.CUDA_ERROR_NOT_FOUND, None)
         function = self._real.CUfunction(self._handle())
         self.functions[int(function)] = info
+        self.names[int(function)] = bytes(name).decode("latin-1")
         return (self.ok, function)
 
     def cuFuncGetParamInfo(self, function, index):
@@ -736,6 +746,7 @@ class FakeDriver:
         if n != len(deps) or info is None or block[0] * block[1] * block[2] > info["max_threads"] \
                 or (info["reqntid"] is not None and block != info["reqntid"]):
             return (self._err.CUDA_ERROR_INVALID_VALUE, None)   # a real GPU: at the launch
+        self.kernel_nodes.append(self.names.get(int(p.func)))
         return (self.ok, self._real.CUgraphNode(self._handle()))
 
     def cuGraphConditionalHandleCreate(self, g, ctx, default, flags):
@@ -751,7 +762,12 @@ class FakeDriver:
         ctypes.c_uint64.from_address(p.conditional.getPtr() + 16).value = ctypes.addressof(body)
         return (self.ok, self._real.CUgraphNode(self._handle()))
 
-    def cuGraphAddDependencies(self, g, from_, to, edges, n): return (self.ok,)
+    def cuGraphAddDependencies(self, g, from_, to, edges, n):
+        self.programmatic += sum(
+            int(e.type) == int(self._real.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC)
+            for e in edges)
+        return (self.ok,)
+
     def cuGraphInstantiate(self, g, flags): return (self.ok, self._real.CUgraphExec(self._handle()))
     def cuGraphUpload(self, e, s): return (self.ok,)
     def cuGraphExecKernelNodeSetParams(self, e, node, p): return (self.ok,)
@@ -935,6 +951,7 @@ _CLASS_RULES = [   # (regex over the generalised path, category, verdict); the f
     (r"graphs\[\]\.nodes(\[\])?", "nodes", "dangerous"),
     (r"generate\.step", "generate", "dangerous"),
     (r"graphs\[\]\.bucket\b.*", "bucket bounds", "dangerous"),
+    (r"graphs\[\]\.archs\b.*", "variants", "dangerous"),   # which GPUs run the graph (3.5)
     (r"graphs\[\]\.arena", "sizes", "size"),
     (r"graphs\[\]\.(name|stats)\b.*", "informative", "harmless"),
     (r"graphs(\[\])?", "graphs", "dangerous"),

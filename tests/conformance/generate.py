@@ -27,6 +27,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SCHEMA = "grace-conformance-vector/1"
+# format 3.5, per-arch variants: each call also names the GPU's compute capability (README.md)
+VARIANT_SCHEMA = "grace-conformance-vector/2"
+VARIANTS_DIR = HERE / "variants"
 POINTER_BASE = 4096   # the data pointer of table slot i in these vectors: 4096 * (i + 1)
 
 # Dropped from the vectors' manifests: informative (SPEC §3: producer, model, options, stats,
@@ -112,9 +115,28 @@ DERIVED = {
 }
 
 
-def compile_manifest(name: str, fake_build: bool = False) -> tuple[dict, object]:
+# Vectors of packages with per-arch variants (SPEC §3.5), written to variants/ with schema 2:
+# name -> (model of _models(), archs, pdl, [(capability, calls)], what it shows). A capability
+# that no arch fits is refused before any call ("no_variant"), whatever the shapes.
+VARIANTS = {
+    "two_variants": (
+        "dynamic_batch", ("sm_80", "sm_90"), True,
+        [([8, 0], [[[1, 64]], [[3, 64]], [[8, 64]], [[9, 64]]]),
+         ([8, 6], [[[3, 64]]]),
+         ([9, 0], [[[1, 64]], [[3, 64]], [[8, 64]], [[9, 64]]]),
+         ([7, 5], [[[3, 64]]]),
+         ([10, 0], [[[3, 64]]])],
+        "SPEC §3.5 and §5.1 'Before launch' items 3 and 8: the arch picked for the GPU's compute "
+        "capability selects among its own graphs (sm_80 without PDL, sm_90 with), the same "
+        "buckets in each; a GPU no arch fits (another major) is refused"),
+}
+
+
+def compile_manifest(name: str, fake_build: bool = False, archs=("sm_90",),
+                     pdl: bool = False) -> tuple[dict, object]:
     """Compile model `name`; returns (its manifest as the package holds it, the model).
-    `fake_build`: stand-in cubins (the manifest's shape and table facts do not depend on them)."""
+    `fake_build`: stand-in cubins (the manifest's shape and table facts do not depend on them).
+    `archs`, `pdl`: as grace.aot.compile's (several archs compiled differently: variants)."""
     import torch
 
     from grace.aot import build, compiler
@@ -131,7 +153,8 @@ def compile_manifest(name: str, fake_build: bool = False) -> tuple[dict, object]
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = compiler.compile(model, args, output=Path(tmp) / f"{name}.grace",
-                                    dynamic_shapes=dyn, buckets=buckets, name=name)
+                                    dynamic_shapes=dyn, buckets=buckets, name=name,
+                                    archs=tuple(archs), pdl=pdl)
             with read_package(path) as pkg:
                 manifest = json.loads(json.dumps(pkg.manifest))
     finally:
@@ -172,9 +195,33 @@ def _eval(expr, values: dict) -> int:
     return max(a, b) if op == "max" else min(a, b)
 
 
-def expect(manifest: dict, shapes: list) -> dict:
+def pick_arch(archs: list, capability) -> str | None:
+    """SPEC §5.1 'Before launch' item 3: the arch of `archs` for a GPU of this compute capability —
+    the exact sm_XY, else sm_XYa, else the newest sm_XZ with Z <= Y (no letter) — or None."""
+    major, minor = capability
+    exact = f"sm_{major}{minor}"
+    for candidate in (exact, exact + "a"):
+        if candidate in archs:
+            return candidate
+    same = [(int(a[-1]), a) for a in archs if a[3:].isdigit() and len(a) >= 5
+            and int(a[3:-1]) == major and int(a[-1]) <= minor]
+    return max(same)[1] if same else None
+
+
+def expect_on(manifest: dict, capability, shapes: list) -> dict:
+    """expect() on a GPU of `capability` (schema 2): the arch it picks, then the call among that
+    arch's graphs (SPEC §5.1 items 3 and 8), or CallError("no_variant")."""
+    arch = pick_arch(manifest["archs"], capability)
+    if arch is None:
+        raise CallError("no_variant", f"no arch of {manifest['archs']} runs on compute capability "
+                                      f"{capability[0]}.{capability[1]}")
+    return {"arch": arch, **expect(manifest, shapes, arch)}
+
+
+def expect(manifest: dict, shapes: list, arch: str | None = None) -> dict:
     """What a runtime must derive before launching a call with these input shapes (SPEC §5.1
-    rules 1-3 and 6), or CallError(kind) — rank, static_dim, range, sources_disagree, no_graph."""
+    rules 1-3 and 6), or CallError(kind) — rank, static_dim, range, sources_disagree, no_graph.
+    `arch`: only the graphs that serve it take part (format 3.5; absent `archs`: every arch)."""
     inputs, symbols = manifest["inputs"], manifest["symbols"]
     if len(shapes) != len(inputs):
         raise ValueError("a vector's call gives one shape per input")
@@ -199,6 +246,8 @@ def expect(manifest: dict, shapes: list) -> dict:
     names = [s["name"] for s in symbols if s["kind"] == "input"]              # rule 2
     covering = []
     for g, graph in enumerate(manifest["graphs"]):
+        if arch is not None and arch not in graph.get("archs", manifest["archs"]):
+            continue
         if all(values[n] <= graph["bucket"][n] for n in names):
             cost = 1
             for n in names:
@@ -247,11 +296,13 @@ def _cross_check(manifest: dict, model, case: dict, shapes: list) -> None:
     """The answers against grace.formats' reference functions and torch's eager shapes."""
     import torch
 
-    from grace.formats import eval_shape_expr, select_graph, table
+    from grace.formats import archs, eval_shape_expr, select_graph, table
 
     names = [s["name"] for s in manifest["symbols"] if s["kind"] == "input"]
     values = dict(zip([s["name"] for s in manifest["symbols"]], case["symbols"]))
-    assert select_graph(manifest["graphs"], names, values) == case["graph"], case
+    if "capability" in case:
+        assert archs.pick_arch(tuple(case["capability"]), manifest["archs"]) == case["arch"], case
+    assert select_graph(manifest["graphs"], names, values, case.get("arch")) == case["graph"], case
     t = manifest["table"]
     positions = table.word_positions([(s["offset"], s["rank"]) for s in t["slots"]],
                                      t["extents"]["offset"], t["extents"]["count"])
@@ -304,6 +355,40 @@ def make_vector(name: str, fake_build: bool = False) -> dict:
             "table": table_facts(m), "manifest": m, "cases": cases}
 
 
+def make_variant_vector(name: str, fake_build: bool = False) -> dict:
+    """A schema-2 vector (variants/, README.md): per call the GPU's compute capability too."""
+    from grace.formats import archs as arch_rules
+    from grace.formats import validate_manifest
+
+    base, archs, pdl, calls, note = VARIANTS[name]
+    manifest, model = compile_manifest(base, fake_build, archs, pdl)
+    m = strip(manifest)
+    validate_manifest(m)
+    if not any("archs" in g for g in m["graphs"]):
+        raise AssertionError(f"{name}: the compiler made one variant of {archs}")
+    cases = []
+    for capability, shapes_list in calls:
+        for shapes in shapes_list:
+            head = {"capability": capability, "input_shapes": shapes}
+            try:
+                case = {**head, **expect_on(m, capability, shapes)}
+            except CallError as e:
+                if e.kind == "no_variant":
+                    assert arch_rules.pick_arch(tuple(capability), m["archs"]) is None
+                cases.append({**head, "error": e.kind, "why": str(e)})
+                continue
+            _cross_check(m, model, case, shapes)
+            cases.append(case)
+    return {"schema": VARIANT_SCHEMA, "model": name, "derived_from": base, "note": note,
+            "about": "SPEC.md §3.5 and §5.1: manifest + the GPU's compute capability + input "
+                     "shapes -> the arch picked, symbol values, the graph selected among that "
+                     "arch's (its index in the manifest), output shapes, table words (slot i's "
+                     "data pointer is 4096*(i+1)); or the error kind a runtime raises before any "
+                     "launch. Format: tests/conformance/README.md. Written by "
+                     "tests/conformance/generate.py; do not edit.",
+            "table": table_facts(m), "manifest": m, "cases": cases}
+
+
 def dumps(vector: dict) -> str:
     """Compact rows (one call per line), so a vector is a few KB and diffs stay readable."""
     head = {k: v for k, v in vector.items() if k not in ("manifest", "cases")}
@@ -325,9 +410,14 @@ def main(argv=None) -> int:
     ap.add_argument("names", nargs="*", help="models (default: all)")
     args = ap.parse_args(argv)
     stale = []
-    for name in args.names or [*_models(), *DERIVED]:
-        text = dumps(make_vector(name))
-        path = HERE / f"{name}.json"
+    for name in args.names or [*_models(), *DERIVED, *VARIANTS]:
+        if name in VARIANTS:
+            text = dumps(make_variant_vector(name))
+            VARIANTS_DIR.mkdir(exist_ok=True)
+            path = VARIANTS_DIR / f"{name}.json"
+        else:
+            text = dumps(make_vector(name))
+            path = HERE / f"{name}.json"
         if args.check:
             if not path.exists() or path.read_text() != text:
                 stale.append(name)
