@@ -484,7 +484,7 @@ def test_generate_interpret_calls_the_reference_executor(lm_pkg, tmp_path, monke
 
     calls = []
 
-    def fake_generate(package, prompt, max_new_tokens, eos_token_id=None):
+    def fake_generate(package, prompt, max_new_tokens, eos_token_id=None, progress=False):
         calls.append((package.manifest["model"]["name"], prompt.tolist(), max_new_tokens, eos_token_id))
         return np.array([5, 6, 2], np.int64)
 

@@ -157,7 +157,9 @@ def test_describe_graphs_and_table(desc):
     graphs = desc["graphs"]
     assert [g["bucket"] for g in graphs] == [{"seq": s, "batch": b} for s in SEQ for b in BATCH]
     assert [g["arena"] for g in graphs] == [s * b * 32 for s in SEQ for b in BATCH]
-    assert {g["kernels"] for g in graphs} == {2} and {g["unique_kernels"] for g in graphs} == {3}
+    # launches and distinct kernels of each graph, the table writer (node 0) not counted
+    assert {g["kernels"] for g in graphs} == {2} and {g["unique_kernels"] for g in graphs} == {2}
+    assert {g["nodes"] for g in graphs} == {3}
     assert graphs[0]["stats"]["est_flops"] == 12345
     assert desc["table"]["words"] == SLOT_WORDS + 2
     assert desc["table"]["extents"] == {"offset": EXT_OFFSET, "count": 2, "first_word": SLOT_WORDS}
@@ -181,7 +183,7 @@ def test_render_buckets(desc):
         assert col in header, col
     assert "note" not in header  # non-numeric stats are not columns
     rows = [line for line in text.splitlines() if line.strip().startswith("seq=")]
-    assert len(rows) == 6
+    assert len(rows) == 6, rows
     assert "seq=512 batch=4" in rows[-1] and "64.00 KiB" in rows[-1]
     assert rows[0].rstrip().endswith("12345") and rows[1].rstrip().endswith("-")
     assert "kernel families" in text and "layer_norm" in text
@@ -229,5 +231,150 @@ def test_static_package(tmp_path):
     text = _render_text(d)
     assert "1 graph (static shapes)" in text
     assert "symbols (" not in text and "extents" not in text and "bucket policy" not in text
-    assert "graph 'main': 3 nodes, 3 unique kernels, 2 dependency edges" in text
+    assert ("graph 'main': 3 nodes (the table writer and 2 kernel launches), 2 unique kernels, "
+            "2 dependency edges") in text
     assert "[2, 128, 8]" in text
+
+
+# ---- compiled packages: every per-graph figure is that graph's, totals are labelled --------------
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    """An MLP with a dynamic batch (three buckets: three arenas, three memory plans) and a cached
+    decoder compiled for generation (state, a decode graph of seq=1, a generation-step kernel)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from torch.export import Dim
+
+    from grace.aot import compile as grace_compile
+    from grace.tools.models import MLP, CachedLlama
+
+    tmp = tmp_path_factory.mktemp("compiled")
+    torch.manual_seed(0)
+    mlp = grace_compile(MLP().eval(), (torch.randn(8, 64),), output=tmp / "mlp.grace",
+                        progress=False, dynamic_shapes={"x": {0: Dim("batch", min=1, max=64)}},
+                        buckets={"batch": [4, 16, 64]})
+    lm_model = CachedLlama(vocab=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden=48,
+                           max_seq=32).eval()
+    seq = Dim("seq", min=1, max=32)
+    lm = grace_compile(lm_model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                       output=tmp / "lm.grace", progress=False,
+                       dynamic_shapes={"idx": {1: seq}, "input_pos": {0: seq}},
+                       buckets={"seq": [16, 32]},
+                       generate={"tokens": "idx", "positions": "input_pos"})
+    return {"mlp": mlp, "lm": lm}
+
+
+def _read(path):
+    pkg = read_package(path)
+    return pkg, describe(pkg), pkg.manifest
+
+
+@pytest.mark.parametrize("name", ["mlp", "lm"])
+def test_each_graphs_figures_are_counted_from_that_graph(compiled, name):
+    _, d, m = _read(compiled[name])
+    assert len(d["graphs"]) == len(m["graphs"]) >= 3
+    for got, g in zip(d["graphs"], m["graphs"]):
+        nodes = g["nodes"]
+        assert got["name"] == g["name"] and got["nodes"] == len(nodes)
+        # kernel launches and distinct kernels, node 0 (the table writer) not counted: what the
+        # compiler recorded in the graph's stats, and what the columns of the table show
+        assert got["kernels"] == len(nodes) - 1 == g["stats"]["kernels"]
+        assert got["unique_kernels"] == len({n["kernel"] for n in nodes[1:]}) == g["stats"]["unique_kernels"]
+        assert got["edges"] == sum(len(n["deps"]) for n in nodes) == sum(got["edges_by_kind"].values())
+        assert sum(got["families"].values()) == len(nodes)
+        assert got["arena"] == g["arena"]
+        # the memory plan is this graph's own (graphs[i].compiled.buffers)
+        buffers = g["compiled"]["buffers"]
+        plan = got["arena_buffers"]
+        assert plan["count"] == len(buffers) and plan["nbytes"] == sum(b["nbytes"] for b in buffers)
+        assert plan["largest"][0]["nbytes"] == max(b["nbytes"] for b in buffers)
+        assert {b["name"] for b in plan["largest"]} <= {b["name"] for b in buffers}
+        assert max(b["offset"] + b["nbytes"] for b in buffers) <= got["arena"]
+    # the buckets differ in what they cost, so a figure taken from the wrong graph would show
+    assert len({g["arena"] for g in d["graphs"]}) == len(d["graphs"])
+    assert len({g["arena_buffers"]["nbytes"] for g in d["graphs"]}) == len(d["graphs"])
+
+
+@pytest.mark.parametrize("name", ["mlp", "lm"])
+def test_memory_plan_and_totals_describe_the_graph_they_name(compiled, name):
+    _, d, m = _read(compiled[name])
+    widest = max(m["graphs"], key=lambda g: g["arena"])
+    # the arena region is the largest graph's, and the buffers shown next to it are its plan
+    assert d["memory"]["regions"]["arena"] == widest["arena"]
+    shown = d["memory"]["arena_buffers"]
+    assert shown["graph"] == widest["name"]
+    assert (shown["count"], shown["nbytes"]) == (len(widest["compiled"]["buffers"]),
+                                                 sum(b["nbytes"] for b in widest["compiled"]["buffers"]))
+    t = d["totals"]
+    graphs = d["graphs"]
+    assert t["graphs"] == len(m["graphs"])
+    for key in ("nodes", "kernels", "edges"):   # sums of the per-graph figures
+        assert t[key] == sum(g[key] for g in graphs), key
+    assert t["edges_by_kind"] == {k: sum(g["edges_by_kind"][k] for g in graphs) for k in ("full", "programmatic")}
+    launched = {n["kernel"] for g in m["graphs"] for n in g["nodes"][1:]}
+    assert t["unique_kernels"] == len(launched)   # a union: graphs share kernels
+    assert max(g["unique_kernels"] for g in graphs) <= t["unique_kernels"] <= sum(g["unique_kernels"] for g in graphs)
+    assert t["largest_arena"] == {"graph": widest["name"], "nbytes": widest["arena"]}
+    pk = t["package_kernels"]
+    assert pk["count"] == len(m["kernels"]) == len(d["kernels"])
+    assert pk["count"] == pk["launched"] + pk["table_writer"] + pk["generate_step"] + pk["unused"]
+    assert (pk["launched"], pk["table_writer"], pk["unused"]) == (len(launched), 1, 0)
+    assert pk["generate_step"] == (1 if name == "lm" else 0)
+    # every kernel's node count is over all graphs, and adds up to the graphs' nodes
+    assert sum(k["nodes"] for k in d["kernels"]) == t["nodes"]
+    json.dumps(d)
+
+
+def _graph_rows(text: str, names) -> dict:
+    """{graph name: the columns of its row in the graphs table}."""
+    rows = {}
+    for line in text.splitlines():
+        cols = line.split()
+        if cols and cols[0] in names and len(cols) > 10:
+            rows[cols[0]] = cols
+    return rows
+
+
+@pytest.mark.parametrize("name", ["mlp", "lm"])
+def test_table_shows_each_graphs_figures_and_labelled_totals(compiled, name):
+    from grace.tools.inspect import human_bytes
+
+    _, d, m = _read(compiled[name])
+    console = Console(record=True, width=260, color_system=None)
+    render(d, console)
+    text = console.export_text()
+    rows = _graph_rows(text, {g["name"] for g in d["graphs"]})
+    assert set(rows) == {g["name"] for g in d["graphs"]}
+    for g in d["graphs"]:
+        # graph, bucket, nodes, kernels, unique kernels, edges (programmatic), arena, buffers, before reuse
+        cols = rows[g["name"]]
+        assert cols[2:5] == [str(g["nodes"]), str(g["kernels"]), str(g["unique_kernels"])], cols
+        assert cols[5:7] == [str(g["edges"]), f"({g['edges_by_kind']['programmatic']})"]
+        assert " ".join(cols[7:9]) == human_bytes(g["arena"])
+        assert cols[9] == str(g["arena_buffers"]["count"])
+        assert " ".join(cols[10:12]) == human_bytes(g["arena_buffers"]["nbytes"])
+    t, shown = d["totals"], d["memory"]["arena_buffers"]
+    assert (f"totals over {t['graphs']} graphs: {t['nodes']} nodes, {t['kernels']} kernel launches "
+            f"(summed), {t['unique_kernels']} distinct kernels launched (the union") in text
+    assert f"arena: the largest graph's, {shown['graph']!r} {human_bytes(t['largest_arena']['nbytes'])}" in text
+    assert (f"sized for the largest of {len(d['graphs'])} graphs, {shown['graph']!r}, one arena per "
+            f"session; its plan: {shown['count']} buffers ({human_bytes(shown['nbytes'])} before reuse)") in text
+    assert f"largest arena buffers of graph {shown['graph']!r}" in text
+    step = ", the generation step" if name == "lm" else ""
+    assert (f"kernels ({len(m['kernels'])} in the package: {t['unique_kernels']} launched by the "
+            f"graphs, the table writer{step})") in text
+
+
+def test_cli_json_is_the_description(compiled):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "grace.tools.cli", "inspect", str(compiled["mlp"]), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    _, d, _ = _read(compiled["mlp"])
+    assert got["graphs"] == json.loads(json.dumps(d["graphs"]))
+    assert got["totals"] == d["totals"] and got["memory"]["arena_buffers"] == d["memory"]["arena_buffers"]

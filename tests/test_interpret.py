@@ -351,3 +351,191 @@ def test_a_kernel_pointed_at_another_kernels_source_is_refused(fp32_pkg, pkg_dir
     write_package(path, m, sections)
     with pytest.raises(InterpretError, match="is not this kernel's source"):
         run_package(str(path), {"x": _x()})
+
+
+# ---------------------------------------------------------------------------- progress per node
+
+
+def _expected_lines(pkg, graph: str) -> list[str]:
+    """The progress lines run_package writes for `graph`: one per node, before it runs."""
+    m = pkg.manifest
+    nodes = next(g for g in m["graphs"] if g["name"] == graph)["nodes"]
+    lines = []
+    for i, node in enumerate(nodes):
+        k = m["kernels"][node["kernel"]]
+        lines.append(f"interpret graph {graph!r}: node {i + 1}/{len(nodes)} "
+                     f"{node.get('label') or k['family']} ({k['family']}, {k['name']})")
+    return lines
+
+
+def test_progress_is_off_unless_asked(bucket_pkg, capsys):
+    run_package(bucket_pkg, {"x": _rows(20)})
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_names_every_node_on_stderr(bucket_pkg, capsys):
+    """Not a terminal (pytest's capture): one line per node, n of N, its label, family, kernel."""
+    out = run_package(bucket_pkg, {"x": _rows(20)}, progress=True)
+    captured = capsys.readouterr()
+    assert captured.out == ""   # results and progress never mix
+    assert out.graph == "n=32"
+    assert captured.err.splitlines() == _expected_lines(bucket_pkg, "n=32")
+    # a stream of the caller's, and each call of a session reports its own graph
+    import io
+
+    from grace.tools.interpret import InterpretSession
+
+    log = io.StringIO()
+    sess = InterpretSession(bucket_pkg, progress=log)
+    sess.run({"x": _rows(5)})
+    sess.run({"x": _rows(40)})
+    assert log.getvalue().splitlines() == _expected_lines(bucket_pkg, "n=16") + _expected_lines(bucket_pkg, "n=64")
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_on_a_terminal_is_a_bar(bucket_pkg, capsys):
+    """A terminal gets a rich bar (terminal control sequences, no line per node), redrawn before
+    each node with the nodes done so far: the last drawing is N of N with the last node's kernel."""
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Terminal()
+    run_package(bucket_pkg, {"x": _rows(20)}, progress=tty)
+    text = tty.getvalue()
+    nodes = next(g for g in bucket_pkg.manifest["graphs"] if g["name"] == "n=32")["nodes"]
+    n = len(nodes)
+    last = bucket_pkg.manifest["kernels"][nodes[-1]["kernel"]]["name"]
+    assert "\x1b[" in text and "interpret" in text and "graph 'n=32'" in text
+    assert "node 1/" not in text   # the bar, not the lines of a log
+    assert f"{n}/{n}" in text and last in text
+    for i in range(n):   # every node was shown, as "i done of n" while it ran
+        assert f"{i}/{n}" in text, i
+    assert capsys.readouterr() == ("", "")
+
+
+def test_progress_text_escapes_what_the_package_says():
+    """Labels and kernel names come from the package: a terminal escape in one is shown as text."""
+    from types import SimpleNamespace
+
+    from grace.tools.interpret import _node_text
+
+    kernel = SimpleNamespace(name="k", family="pointwise")
+    node = SimpleNamespace(kernel=0, label="add\x1b[2J\x07")
+    assert _node_text([kernel], node) == "add\\x1b[2J\\x07 (pointwise, k)"
+
+
+# ---------------------------------------------------------------------------- floating-point warnings
+
+
+class _CausalAttention:
+    """Attention written out (scores, an additive -inf causal mask, softmax), as many models do:
+    on a dynamic length a softmax row block holds padded rows, all -inf, where numpy computes
+    -inf - -inf (the GPU too, silently: those lanes are masked and never stored)."""
+
+    @staticmethod
+    def make():
+        import torch
+
+        class Attn(torch.nn.Module):
+            def __init__(self, d=16, heads=2):
+                super().__init__()
+                self.qkv, self.o, self.heads = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads
+
+            def forward(self, x):
+                b, t, d = x.shape
+                q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+                mask = torch.full((t, t), float("-inf")).triu(1)
+                a = torch.softmax(q @ k.transpose(-1, -2) / 2.0 + mask, -1) @ v
+                return self.o(a.transpose(1, 2).reshape(b, t, d))
+
+        return Attn()
+
+
+@pytest.fixture(scope="module")
+def attention(pkg_dir):
+    import torch
+    from torch.export import Dim
+
+    from grace.aot import compile as grace_compile
+
+    torch.manual_seed(0)
+    model = _CausalAttention.make().eval()
+    path = grace_compile(model, (torch.randn(1, 13, 16),), output=pkg_dir / "attn.grace",
+                         progress=False, fp32_matmul="ieee", buckets={"seq": [16, 32]},
+                         dynamic_shapes={"x": {1: Dim("seq", min=1, max=32)}})
+    return model, path
+
+
+@pytest.mark.slow
+def test_interpreting_attention_with_a_causal_mask_warns_nothing(attention):
+    """numpy's floating-point warnings are off while the kernels run, as the GPU has none; the
+    results still match eager, and the caller's numpy error settings are as they were."""
+    import warnings
+
+    import torch
+
+    model, path = attention
+    x = torch.randn(1, 13, 16)   # 3 padded rows in the seq=16 bucket
+    before = np.geterr()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run_package(path, {"x": x.numpy()})
+    assert [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] == []
+    assert np.geterr() == before
+    assert out.graph == "seq=16"
+    with torch.no_grad():
+        ref = model.double()(x.double()).numpy()
+    np.testing.assert_allclose(out["out"], ref, rtol=1e-5, atol=1e-6)
+    # a caller who made numpy raise on them (np.seterr(all="raise")) still gets the kernels' IEEE
+    # results, and keeps the setting outside them
+    old = np.seterr(all="raise")
+    try:
+        again = run_package(path, {"x": x.numpy()})
+        assert np.geterr()["invalid"] == "raise"
+    finally:
+        np.seterr(**old)
+    np.testing.assert_array_equal(again["out"], out["out"])
+
+
+def _cli_run(path, x_path, stderr_tty: bool) -> tuple[int, str, str]:
+    """`grace run --interpret` in a process of its own, stderr a pseudo-terminal or a pipe."""
+    import pty
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "grace.tools.cli", "run", str(path), "--input", f"x={x_path}",
+           "--interpret"]
+    if not stderr_tty:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        return r.returncode, r.stdout, r.stderr
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:   # EIO: the child closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out, _ = proc.communicate(timeout=300)
+    os.close(master)
+    return proc.returncode, out, b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_cli_run_interpret_shows_progress_only_on_a_terminal(bucket_pkg, tmp_path):
+    x = tmp_path / "x.npy"
+    np.save(x, _rows(20))
+    rc, out, err = _cli_run(bucket_pkg.path, x, stderr_tty=True)
+    assert rc == 0, err
+    assert "interpreter (CPU)" in out and "interpret" not in out.replace("interpreter (CPU)", "")
+    n = len(next(g for g in bucket_pkg.manifest["graphs"] if g["name"] == "n=32")["nodes"])
+    assert "graph 'n=32'" in err and f"{n}/{n}" in err and "\x1b[" in err
+    rc, out, err = _cli_run(bucket_pkg.path, x, stderr_tty=False)   # piped: no progress at all
+    assert rc == 0 and err == "", err
+    assert "interpreter (CPU)" in out

@@ -10,6 +10,16 @@ symbols (dynamic dimensions), the buckets each symbol is split into, and one row
 bounds and what it costs (kernels, arena bytes, and whatever numeric `stats` the compiler
 recorded), so the price of the bucket policy is visible without running.
 
+Every per-graph figure is counted from that graph's own manifest entry (its nodes, its arena, its
+memory plan `graphs[i].compiled.buffers`), never from another graph's or from the package-wide
+lists: the manifest's top-level `arena_buffers` is one graph's plan (grace's compiler writes the
+first graph's, the smallest bucket) while `regions.arena` is the largest graph's, so showing them
+side by side compared two different graphs. Figures over all graphs are in `totals`, labelled as
+such: kernels launched are summed over graphs, distinct kernels are a union (fewer than the sum:
+graphs share kernels), the arena is the largest graph's (a session has one, sized for it).
+`kernels`/`unique_kernels` of a graph count its kernel launches, the table writer (node 0 of every
+graph, SPEC §5) not included, which is what grace's compiler records in `stats`; `nodes` includes it.
+
 The manifest is read through grace.formats.view (validated, optional keys at their SPEC defaults).
 Imports no torch and no numpy: only grace.formats (msgpack; it parses the safetensors layout of
 the weights itself, and inspect never decodes them) and rich for `render`.
@@ -79,18 +89,14 @@ def describe(package, path: str | os.PathLike | None = None, verified: bool = Tr
         return [{"name": e.name, "dtype": e.dtype, "shape": _jsonable(e.shape), "slot": e.slot} for e in entries]
 
     # --- memory plan -------------------------------------------------------------------------------
-    largest = sorted(m.arena_buffers, key=lambda b: (-b.nbytes, b.offset))
+    # the arena region is sized for the largest graph: its plan is the one to show next to it
+    widest = max(range(len(m.graphs)), key=lambda i: (m.graphs[i].arena, -i)) if m.graphs else None
     memory = {
         "regions": {k: int(v) for k, v in m.regions.items()},
         "weights": {"count": len(m.weights), "nbytes": sum(w.nbytes for w in m.weights)},
         "state": [{"name": e.name, "dtype": e.dtype, "shape": _jsonable(e.shape), "offset": e.offset,
                    "nbytes": e.nbytes, "init": e.init} for e in m.state],
-        "arena_buffers": {
-            "count": len(m.arena_buffers),
-            "nbytes": sum(b.nbytes for b in m.arena_buffers),
-            "largest": [{"name": b.name, "offset": b.offset, "nbytes": b.nbytes, "first": b.first, "last": b.last}
-                        for b in largest[:TOP_ARENA_BUFFERS]],
-        },
+        "arena_buffers": _package_plan(m, widest),
     }
 
     # --- kernels and graphs -------------------------------------------------------------------------
@@ -116,19 +122,21 @@ def describe(package, path: str | os.PathLike | None = None, verified: bool = Tr
         for node in g.nodes:
             family = m.kernels[node.kernel].family
             fam["?" if family is None else family] += 1
+        launches = g.nodes[1:]   # node 0 is the table writer (SPEC §5)
         graph_list.append(
             {
                 "name": g.name,
                 "bucket": _jsonable(g.bucket),
                 "arena": g.arena,
-                "kernels": g.stats.get("kernels"),
+                "kernels": len(launches),
                 "nodes": len(g.nodes),
-                "unique_kernels": len({n.kernel for n in g.nodes}),
+                "unique_kernels": len({n.kernel for n in launches}),
                 "edges": sum(len(n.deps) for n in g.nodes),
                 # by kind (format 3.2): programmatic edges let a kernel launch before the ones
                 # it depends on finish (docs/design-pdl.md); the rest are full edges
                 "edges_by_kind": _edge_kinds(g.nodes),
                 "families": dict(sorted(fam.items(), key=lambda kv: (-kv[1], str(kv[0])))),
+                "arena_buffers": _graph_plan(m, g),
                 "stats": _jsonable(g.stats),
             }
         )
@@ -156,8 +164,68 @@ def describe(package, path: str | os.PathLike | None = None, verified: bool = Tr
         "index_checks": _index_checks(m),
         "kernels": kernel_list,
         "graphs": graph_list,
+        "totals": _totals(m, graph_list, widest),
         "sections": sections,
         "signature": _signature(package, verified),
+    }
+
+
+def _plan_entry(buffers) -> dict:
+    """{count, nbytes, largest} of a list of arena buffers (ArenaBuffer or PlanBuffer): how many
+    intermediates, their bytes before reuse, and the TOP_ARENA_BUFFERS largest."""
+    largest = sorted(buffers, key=lambda b: (-b.nbytes, b.offset))
+    return {"count": len(buffers), "nbytes": sum(b.nbytes for b in buffers),
+            "largest": [{"name": b.name, "offset": b.offset, "nbytes": b.nbytes, "first": b.first,
+                         "last": b.last} for b in largest[:TOP_ARENA_BUFFERS]]}
+
+
+def _graph_plan(m, g) -> dict | None:
+    """Graph g's memory plan: its compiled record's buffers (format 3.4); without records, the
+    manifest's `arena_buffers` only when g is the package's one graph (with several, which graph
+    that list describes is not recorded: None)."""
+    if g.compiled is not None:
+        return _plan_entry(g.compiled.buffers)
+    if len(m.graphs) == 1:
+        return _plan_entry(m.arena_buffers)
+    return None
+
+
+def _package_plan(m, widest: int | None) -> dict:
+    """`memory.arena_buffers`: the plan of the graph the arena region is sized for (the largest
+    arena; `graph` names it), so that the buffers and `regions.arena` describe one graph. A package
+    without records and several graphs has only the manifest's list, of a graph not named
+    (`graph`: None)."""
+    plan = _graph_plan(m, m.graphs[widest]) if widest is not None else None
+    if plan is not None:
+        return {**plan, "graph": m.graphs[widest].name}
+    return {**_plan_entry(m.arena_buffers), "graph": None}
+
+
+def _totals(m, graphs: list[dict], widest: int | None) -> dict:
+    """Figures over all graphs, each as its name says: sums of the per-graph figures (nodes,
+    kernel launches, edges), the distinct kernels the graphs launch (a union, table writer not
+    counted: graphs share kernels, so it is below the sum of the graphs' `unique_kernels`), the
+    largest graph's arena (one arena per session, sized for it), and the package's kernel entries
+    (those, the table writer, the generation step, any no graph uses)."""
+    launched = {n.kernel for g in m.graphs for n in g.nodes[1:]}
+    writers = {g.nodes[0].kernel for g in m.graphs if g.nodes}
+    step = m.generate.step.kernel if m.generate is not None else None
+    kinds = {"full": sum(g["edges_by_kind"]["full"] for g in graphs),
+             "programmatic": sum(g["edges_by_kind"]["programmatic"] for g in graphs)}
+    return {
+        "graphs": len(graphs),
+        "nodes": sum(g["nodes"] for g in graphs),
+        "kernels": sum(g["kernels"] for g in graphs),
+        "unique_kernels": len(launched),
+        "edges": sum(g["edges"] for g in graphs),
+        "edges_by_kind": kinds,
+        "largest_arena": (None if widest is None else
+                          {"graph": m.graphs[widest].name, "nbytes": m.graphs[widest].arena}),
+        "package_kernels": {"count": len(m.kernels), "launched": len(launched),
+                            "table_writer": len(writers - launched),
+                            "generate_step": int(step is not None and step not in launched | writers),
+                            "unused": len(set(range(len(m.kernels))) - launched - writers
+                                          - ({step} if step is not None else set()))},
     }
 
 
@@ -236,10 +304,23 @@ def _buckets(m, symbols: list[dict], n_graphs: int) -> dict:
     return {
         "graphs": n_graphs,
         "counts": counts,
-        "summary": _bucket_summary(n_graphs, counts, data),
+        "summary": _variant_summary(m, n_graphs, counts, data),
         "policy": _jsonable(policy) if isinstance(policy, Mapping) else None,
         "cost_model": cost if isinstance(cost, str) else None,
     }
+
+
+def _variant_summary(m, n_graphs: int, counts: Mapping[str, int], data: list[str]) -> str:
+    """_bucket_summary of one variant's graphs, and the variants (format 3.5, SPEC §3.5: every arch
+    has the same buckets), e.g. "3 graphs = product of buckets: seq 3, per arch (2 variants: sm_80;
+    sm_90; 6 graphs in all)"."""
+    from grace.formats.view import variants
+
+    found = variants(m)
+    if len(found) < 2:
+        return _bucket_summary(n_graphs, counts, data)
+    return (_bucket_summary(len(found[0][1]), counts, data) + f", per arch ({len(found)} variants: "
+            + "; ".join("+".join(a) for a, _ in found) + f"; {n_graphs} graphs in all)")
 
 
 def _bucket_summary(n_graphs: int, counts: Mapping[str, int], data: list[str]) -> str:
@@ -373,13 +454,12 @@ def render(d: Mapping, console=None) -> None:
     n_graphs = len(d.get("graphs", []))
     notes = {
         "weights": f"{w.get('count', 0)} tensors",
-        "arena": f"{ab.get('count', 0)} buffers ({human_bytes(ab.get('nbytes', 0))} before reuse)"
-                 + (f"; the largest of {n_graphs} graphs, one arena per session" if n_graphs > 1 else ""),
+        "arena": _arena_note(ab, n_graphs),
         "table": f"{len(tab.get('slots', []))} slots",
         "state": f"{len(mem.get('state', []))} buffers per session (KV caches, generation)",
     }
     for name, nbytes in mem.get("regions", {}).items():
-        t.add_row(_t(name), human_bytes(nbytes), _t(nbytes), notes.get(name, ""))
+        t.add_row(_t(name), human_bytes(nbytes), _t(nbytes), _t(notes.get(name, "")))
     console.print(t)
     if mem.get("state"):
         t = table("session state", "name", "dtype", "shape", ">offset", ">size", "initial value")
@@ -395,15 +475,16 @@ def render(d: Mapping, console=None) -> None:
                       f"{gen['capacity']} positions, decode graph {_t(repr(gen['decode_graph']))}; greedy "
                       "steps run in a CUDA graph WHILE loop\n")
     if ab.get("largest"):
-        t = table(f"largest arena buffers (top {len(ab['largest'])} of {ab.get('count')})",
+        of_graph = f" of graph {_t(repr(ab['graph']))}" if ab.get("graph") is not None and n_graphs > 1 else ""
+        t = table(f"largest arena buffers{of_graph} (top {len(ab['largest'])} of {ab.get('count')})",
                   "name", ">offset", ">size", "live (nodes)")
         for b in ab["largest"]:
             t.add_row(_t(b["name"]), _t(b["offset"]), human_bytes(b["nbytes"] or 0), f"{b['first']}..{b['last']}")
         console.print(t)
 
     # kernels
-    t = table(f"kernels ({len(d.get('kernels', []))})", ">#", "name", "family", "grids", ">warps", ">stages",
-              ">shared", "archs", "source", ">nodes")
+    t = table(_kernels_title(d), ">#", "name", "family", "grids", ">warps", ">stages",
+              ">shared", "archs", "source", ">nodes (all graphs)")
     for k in d.get("kernels", []):
         grids = k.get("grids", [])
         g = ", ".join("x".join(str(v) for v in gr) for gr in grids[:3]) + (f" (+{len(grids) - 3})" if len(grids) > 3 else "")
@@ -413,6 +494,34 @@ def render(d: Mapping, console=None) -> None:
     console.print(t)
 
     _render_graphs(console, d, table)
+
+
+def _arena_note(ab: Mapping, n_graphs: int) -> str:
+    """The memory plan's arena row: the plan of the graph the region is sized for, named."""
+    plan = f"{ab.get('count', 0)} buffers ({human_bytes(ab.get('nbytes', 0))} before reuse)"
+    if n_graphs <= 1:
+        return plan
+    if ab.get("graph") is None:   # no per-graph records: the manifest's list, of an unnamed graph
+        return (f"sized for the largest of {n_graphs} graphs, one arena per session; the manifest's "
+                f"arena_buffers, of a graph it does not name: {plan}")
+    return (f"sized for the largest of {n_graphs} graphs, {ab['graph']!r}, one arena per session; "
+            f"its plan: {plan}")
+
+
+def _kernels_title(d: Mapping) -> str:
+    """`kernels (9 in the package: 8 launched by the graphs, the table writer)`."""
+    kernels = d.get("kernels", [])
+    pk = (d.get("totals") or {}).get("package_kernels")
+    if not pk:
+        return f"kernels ({len(kernels)})"
+    parts = [f"{pk['launched']} launched by the graphs"]
+    if pk.get("table_writer"):
+        parts.append("the table writer" if pk["table_writer"] == 1 else f"{pk['table_writer']} table writers")
+    if pk.get("generate_step"):
+        parts.append("the generation step")
+    if pk.get("unused"):
+        parts.append(f"{pk['unused']} no graph uses")
+    return f"kernels ({pk['count']} in the package: {', '.join(parts)})"
 
 
 def _signature_text(sig: Mapping | None) -> str:
@@ -452,7 +561,7 @@ def _render_symbols(console, d: Mapping, table) -> None:
         console.print()
 
 
-SHOWN_STATS = ("kernels", "unique_kernels", "arena_nbytes")   # already columns of their own
+SHOWN_STATS = ("kernels", "unique_kernels", "arena_nbytes")   # counted from the graph: own columns
 
 
 def _render_graphs(console, d: Mapping, table) -> None:
@@ -468,23 +577,41 @@ def _render_graphs(console, d: Mapping, table) -> None:
             if k not in SHOWN_STATS and _is_number(v) and k not in stat_keys:
                 stat_keys.append(k)
     title = f"graphs, one per bucket ({len(graphs)})" if len(graphs) > 1 else "graphs (1)"
-    t = table(title, "graph", "bucket", ">kernels", ">unique kernels", ">edges (programmatic)", ">arena",
-              *(">" + _t(k) for k in stat_keys))
+    t = table(title, "graph", "bucket", ">nodes", ">kernels", ">unique kernels", ">edges (programmatic)",
+              ">arena", ">arena buffers", ">before reuse", *(">" + _t(k) for k in stat_keys))
     for g in graphs:
         stats = g.get("stats") or {}
         arena = g.get("arena")
         kinds = g.get("edges_by_kind") or {}
-        t.add_row(_t(g["name"]), _t(_bucket_text(g.get("bucket") or {})),
-                  _t(_num(g["kernels"])) if g.get("kernels") is not None else "-",
-                  _t(stats.get("unique_kernels", g["unique_kernels"])),
+        plan = g.get("arena_buffers")
+        t.add_row(_t(g["name"]), _t(_bucket_text(g.get("bucket") or {})), _t(g["nodes"]),
+                  _t(g["kernels"]), _t(g["unique_kernels"]),
                   f"{g['edges']} ({kinds.get('programmatic', 0)})",
                   human_bytes(arena) if _is_number(arena) else "-",
+                  _t(plan["count"]) if plan else "-", human_bytes(plan["nbytes"]) if plan else "-",
                   *(_num(stats[k]) if _is_number(stats.get(k)) else "-" for k in stat_keys))
     console.print(t)
+    totals = d.get("totals")
+    if totals and len(graphs) > 1:
+        console.print(_totals_text(totals), highlight=False)
+        console.print()
     if len(graphs) == 1:
         _render_graph_detail(console, graphs[0], table)
     elif graphs:
         _render_families(console, graphs, table)
+
+
+def _totals_text(tot: Mapping) -> str:
+    """The line under the graphs table: what is summed, what is a union, what is a maximum."""
+    kinds = tot.get("edges_by_kind") or {}
+    widest = tot.get("largest_arena") or {}
+    text = (f"[bold]totals over {tot['graphs']} graphs[/bold]: {tot['nodes']} nodes, {tot['kernels']} kernel "
+            f"launches (summed), {tot['unique_kernels']} distinct kernels launched (the union: graphs "
+            f"share kernels), {tot['edges']} dependency edges ({kinds.get('programmatic', 0)} programmatic)")
+    if widest:
+        text += (f"; arena: the largest graph's, {_t(repr(widest['graph']))} "
+                 f"{human_bytes(widest['nbytes'])} (one per session)")
+    return text
 
 
 def _edge_kinds(nodes) -> dict:
@@ -504,7 +631,8 @@ def _render_graph_detail(console, g: Mapping, table) -> None:
     """A single graph (static package): its families and its whole `stats` map."""
     from rich.table import Table
 
-    console.print(f"[bold]graph {_t(repr(g['name']))}[/bold]: {g['nodes']} nodes, {g['unique_kernels']} unique kernels, "
+    console.print(f"[bold]graph {_t(repr(g['name']))}[/bold]: {g['nodes']} nodes (the table writer and "
+                  f"{g['kernels']} kernel launches), {g['unique_kernels']} unique kernels, "
                   f"{_edge_text(g)}", highlight=False)
     t = table(None, "family", ">nodes")
     for fam, n in g.get("families", {}).items():

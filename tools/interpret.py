@@ -25,6 +25,21 @@ Outputs come back with their true shapes: an output whose dim 0 is a data symbol
 a kernel wrote into the extents words. The result is a dict that also says which graph ran
 (`InterpretResult.graph`) and the symbol values (`.symbols`).
 
+Progress (`progress=True`, or a text stream): the interpreter runs a kernel in seconds to minutes
+(ViT-S: 12.7 minutes for one call), so it can say which node it is in, n of N, with the node's
+label, kernel family and kernel name. On a terminal that is a rich progress bar (rich is already a
+dependency: `grace.aot.compile(progress=True)` and the op sweep use it), redrawn at every node and
+gone when the call returns; on anything else (a log, a pipe, a test) one line per node, so a log
+shows where a long run is. Nothing is printed unless asked: `grace run --interpret` asks when
+stderr is a terminal.
+
+Floating-point warnings: the GPU computes IEEE results silently (0/0 is NaN, exp of a large value
+is inf), but Triton's interpreter computes with numpy, which warns about every such operation:
+"RuntimeWarning: invalid value encountered in subtract" for a softmax row of padding (-inf - -inf),
+in lanes the kernel masks and never stores. Those four numpy floating-point conditions (invalid,
+divide, overflow, underflow) are ignored while a kernel runs, as on the GPU; outside the kernels and
+every other warning are left as they are.
+
 Limits: Triton 3.6's interpreter computes wrong results for bfloat16 (see docs/architecture.md), so
 packages touching bf16 are refused.
 
@@ -456,6 +471,101 @@ def _region_view(regions: Mapping[str, Any], arg, param, where: str):
     return regions[arg.region][off : off + nbytes].view(tdt)
 
 
+# ---- progress -----------------------------------------------------------------------------------
+
+# what a package names (labels, graph names) may hold terminal control characters: shown escaped
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), *range(0x7F, 0xA0)]}
+
+
+def _clean(text) -> str:
+    return str(text).translate(_CONTROL)
+
+
+def _node_text(kernels, node) -> str:
+    """A node for the progress output: its label (the model op it came from), family, kernel."""
+    kernel = kernels[node.kernel]
+    family = kernel.family or "?"
+    label = node.label or family
+    return _clean(f"{label} ({family}, {kernel.name})")
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):   # no isatty, or a closed file
+        return False
+
+
+class _NoProgress:
+    """Progress nobody asked for: nothing printed."""
+
+    def graph(self, title: str, total: int) -> None:
+        pass
+
+    def node(self, i: int, text: str) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_NO_PROGRESS = _NoProgress()
+
+
+class _NodeProgress(_NoProgress):
+    """Which node runs, n of N, on `stream`: a rich progress bar when the stream is a terminal
+    (redrawn before every node, so the slow node is the one shown; transient: gone when the call
+    returns), else one line per node, written before the node runs and flushed (a log of a run
+    that takes minutes shows where it is, and where it stopped)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.tty = _isatty(stream)
+        self.title, self.total = "", 0
+        self._bar = self._task = None
+
+    def graph(self, title: str, total: int) -> None:
+        self.title, self.total = _clean(title), total
+        if not self.tty:
+            return
+        from rich.markup import escape
+
+        if self._bar is None:
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn)
+
+            console = Console(file=self.stream, force_terminal=True, force_interactive=True)
+            self._bar = Progress(TextColumn("[bold]interpret[/] {task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(),
+                                 TextColumn("{task.fields[node]}"), console=console, transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(escape(self.title), total=total, node="")
+        else:
+            self._bar.reset(self._task, total=total, description=escape(self.title), node="")
+
+    def node(self, i: int, text: str) -> None:
+        if self._bar is not None:
+            from rich.markup import escape
+
+            self._bar.update(self._task, completed=i, node=escape(text), refresh=True)
+        else:
+            print(f"interpret {self.title}: node {i + 1}/{self.total} {text}", file=self.stream,
+                  flush=True)
+
+    def done(self) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.total, refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
 def run_package(
     package_or_path,
     inputs: Mapping[str, Any],
@@ -463,6 +573,7 @@ def run_package(
     poison: bool = True,
     graph: str | None = None,
     trusted_keys=None,
+    progress=False,
 ) -> InterpretResult:
     """Run a `.grace` package on the CPU with Triton's interpreter; return its outputs (numpy copies
     with their true shapes) as an InterpretResult, which also names the graph that ran.
@@ -472,35 +583,41 @@ def run_package(
     graph is selected as the GPU runtime selects it; `graph=` names another one that covers the sizes.
     A package with session state runs from its initial state; use `InterpretSession` to keep it.
     `trusted_keys`: as for grace.runtime.load (a signature by one of them is required).
+    `progress`: False (default: print nothing), True (stderr) or a text stream: which node runs,
+    n of N (module docstring).
     """
-    return InterpretSession(package_or_path, poison=poison,
-                            trusted_keys=trusted_keys).run(inputs, graph=graph)
+    return InterpretSession(package_or_path, poison=poison, trusted_keys=trusted_keys,
+                            progress=progress).run(inputs, graph=graph)
 
 
 def generate_package(package_or_path, prompt_ids, max_new_tokens: int, eos_token_id=None, *,
-                     poison: bool = True, trusted_keys=None) -> np.ndarray:
-    """Greedy generation on the CPU, the same sequence of kernels as the GPU runtime's generate()."""
-    return InterpretSession(package_or_path, poison=poison,
-                            trusted_keys=trusted_keys).generate(prompt_ids, max_new_tokens, eos_token_id)
+                     poison: bool = True, trusted_keys=None, progress=False) -> np.ndarray:
+    """Greedy generation on the CPU, the same sequence of kernels as the GPU runtime's generate().
+    `progress` as for run_package (the prefill's nodes, then each decode step's)."""
+    return InterpretSession(package_or_path, poison=poison, trusted_keys=trusted_keys,
+                            progress=progress).generate(prompt_ids, max_new_tokens, eos_token_id)
 
 
 class InterpretSession:
     """The CPU twin of a runtime Session: the package's regions as byte tensors, with the session
-    state (KV caches) kept across run() calls until reset_state()."""
+    state (KV caches) kept across run() calls until reset_state(). `progress`: as for run_package,
+    for every call of this session."""
 
     def __init__(self, package_or_path, poison: bool = True, max_host_nbytes: int | None = None,
-                 trusted_keys=None):
+                 trusted_keys=None, arch: str | None = None, progress=False):
         import torch
         from grace.runtime.shapes import ShapePlan
 
         self.package = _open(package_or_path, trusted_keys)
         self.manifest = self.package.manifest
-        self.view = view = self.package.view   # read_package validated it
+        self.view = view = _variant_view(self.package.view, arch)   # read_package validated it
         _check_no_bf16(view)
         with _as_interpret_errors():
             self.plan = ShapePlan(view)
             _check_host_memory(view, self.plan, max_host_nbytes)
         self.poison = poison
+        self._progress_stream = (sys.stderr if progress is True else progress) or None
+        self._progress = None   # the _NodeProgress of the call (or generation) that is running
         sizes = view.regions
         self.regions = {
             "weights": torch.zeros(sizes["weights"], dtype=torch.uint8),
@@ -556,6 +673,11 @@ class InterpretSession:
 
     # -- one call ------------------------------------------------------------------------------
     def run(self, inputs: Mapping[str, Any], graph: str | None = None) -> InterpretResult:
+        return self._run(inputs, graph)
+
+    def _run(self, inputs: Mapping[str, Any], graph: str | None = None,
+             title: str | None = None) -> InterpretResult:
+        """run(); `title` names the call in the progress output (the prefill of a generation)."""
         view, plan = self.view, self.plan
         arrays = _check_inputs(view, inputs)
         values, gi = _resolve(plan, view, arrays, graph)
@@ -563,11 +685,29 @@ class InterpretSession:
 
         tensors = {s.name: torch.from_numpy(np.array(arrays[s.name], order="C", copy=True))
                    for s in view.inputs}   # 0-d stays 0-d
-        return self._execute(gi, values, tensors)
+        if title is not None:
+            title = f"{title} graph {view.graphs[gi].name!r}"
+        return self._execute(gi, values, tensors, title)
 
-    def _execute(self, gi: int, values: list, inputs: dict) -> InterpretResult:
+    @contextlib.contextmanager
+    def _reporting(self):
+        """The progress of the running call: a generation keeps one bar over all its graphs
+        (nested calls reuse it), a single call has its own; closed when the outermost ends."""
+        if self._progress is not None:
+            yield self._progress
+            return
+        report = _NodeProgress(self._progress_stream) if self._progress_stream else _NO_PROGRESS
+        self._progress = report
+        try:
+            yield report
+        finally:
+            self._progress = None
+            report.close()
+
+    def _execute(self, gi: int, values: list, inputs: dict, title: str | None = None) -> InterpretResult:
         """Run graph `gi` with the symbol `values` on the input tensors `inputs` (the slots point
-        at them: copies of the caller's arrays, or state entries during generation)."""
+        at them: copies of the caller's arrays, or state entries during generation). `title`
+        names the call in the progress output (default: the graph)."""
         import torch
 
         view, plan = self.view, self.plan
@@ -580,9 +720,12 @@ class InterpretSession:
         buffers = {**inputs, **_output_buffers(view, out_shapes, self.poison)}
         words = table_words(view, buffers, values)
         self._buffers = buffers  # the table points at them until the next call
-        with _interpret_mode():
+        with _interpret_mode(), self._reporting() as report:
+            report.graph(title or f"graph {g.name!r}", len(g.nodes))
             for i, node in enumerate(g.nodes):
+                report.node(i, _node_text(view.kernels, node))
                 _run_node(self.package, view.kernels, g.name, i, node, self.regions, words)
+            report.done()
         values = _data_symbols(plan, gi, values, extents)
         self._check_indices(dict(zip(plan.symbols, values)))
         outputs = {s.name: _cut(buffers[s.name], plan.output_shape(o, values))
@@ -605,20 +748,37 @@ class InterpretSession:
         self.reset_state()
         ctrl = self._state_view(gen.ctrl)
         ctrl.copy_(torch_from(ctrl_words))
-        self.run(plan.prefill_inputs(prompt))
-        self._step(gen)
-        with _as_interpret_errors():
-            values = self.plan.resolve(plan.input_shapes(1))
-        feed = {gen.tokens: self._state_view(gen.next_token),
-                gen.positions: self._state_view(gen.next_position)}
-        while int(ctrl[3]) == 0:
-            self._execute(gen.decode_graph, values, feed)
+        with self._reporting():   # one progress display for the prefill and every decode step
+            self._run(plan.prefill_inputs(prompt), title="prefill")
             self._step(gen)
+            with _as_interpret_errors():
+                values = self.plan.resolve(plan.input_shapes(1))
+            feed = {gen.tokens: self._state_view(gen.next_token),
+                    gen.positions: self._state_view(gen.next_position)}
+            name = self.view.graphs[gen.decode_graph].name
+            step = 0
+            while int(ctrl[3]) == 0:
+                step += 1
+                self._execute(gen.decode_graph, values, feed,
+                              title=f"decode {step}/{max_new_tokens - 1} graph {name!r}")
+                self._step(gen)
         return self._state_view(gen.out_tokens)[:int(ctrl[0])].numpy().copy()
 
     def _step(self, gen) -> None:
         with _interpret_mode():
             _run_node(self.package, self.view.kernels, "generate", 0, gen.step, self.regions, [])
+
+
+def _variant_view(view, arch):
+    """The graphs of the variant to run (format 3.5, grace.formats.view.for_arch): `arch`'s, by
+    default the package's first arch's (the kernels' gdc calls are no-ops here, so every variant
+    computes the same)."""
+    from grace.formats.view import for_arch
+
+    try:
+        return for_arch(view, arch)
+    except ValueError as e:
+        raise InterpretError(str(e)) from None
 
 
 DEFAULT_MAX_HOST_NBYTES = 16 << 30   # GRACE_INTERPRET_MAX_BYTES overrides
@@ -701,7 +861,11 @@ def _run_node(package, kernels, graph: str, i: int, node, regions, words: list[i
             for a, p in zip(node.args, kernel.params)]
     fn = _kernel_function(kernel, package)
     try:
-        fn[node.grid](*args, num_warps=kernel.num_warps)
+        # as on the GPU, IEEE results without a word: numpy (which Triton's interpreter computes
+        # with) warns for 0/0, inf - inf, exp overflow, mostly in lanes the kernel masks and never
+        # stores (a softmax row of padding); only these conditions, only while the kernel runs
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore", under="ignore"):
+            fn[node.grid](*args, num_warps=kernel.num_warps)
     except Exception as e:
         raise InterpretError(f"{where}: kernel {kernel.name!r} failed: {type(e).__name__}: {e}") from e
 
