@@ -96,8 +96,11 @@ def _capacity(program, spec: dict) -> int:
 
 
 def plan(graphs, symbols, spec: dict) -> GenerationPlan:
-    """Check the logits output and build the step kernel over graph 0's buffers."""
-    program = graphs[0].program
+    """Check the logits output on the last graph, the largest bucket's (at the decode bucket T is
+    pinned to 1, so the logits are static there), and build the step kernel over graph 0's
+    buffers (whose memory plan package.py maps them with; it reads T from the logits' slot at
+    run time, and rank and vocabulary are the same in every graph)."""
+    program = graphs[-1].program
     outputs = {b.name: b for b in program.outputs}
     logits_name = spec.get("logits") or program.outputs[0].name
     if logits_name not in outputs:
@@ -119,10 +122,13 @@ def plan(graphs, symbols, spec: dict) -> GenerationPlan:
                             f"output, not {logits.dtype}{list(logits.shape)}")
     sym = _decode_symbol_of(graphs, symbols, spec)
     decode = next(i for i, g in enumerate(graphs) if g.bucket[sym] == 1)
-    state = {b.name: b for b in program.state}
+    first = graphs[0].program
+    state = {b.name: b for b in first.state}
     capacity = state[OUT_TOKENS].shape[0]
-    source = generate_step_source(logits, positions, state[CTRL], state[OUT_TOKENS],
-                                  state[NEXT_TOKEN], state[NEXT_POSITION])
+    source = generate_step_source({b.name: b for b in first.outputs}[logits_name],
+                                  {b.name: b for b in first.inputs}[spec["positions"]],
+                                  state[CTRL], state[OUT_TOKENS], state[NEXT_TOKEN],
+                                  state[NEXT_POSITION])
     return GenerationPlan(source, tokens.name, positions.name, logits_name, capacity, decode)
 
 

@@ -206,14 +206,24 @@ def find_data_symbols(program, inputs: list[Symbol]) -> list[Symbol]:
 
 
 def default_buckets(lo: int, hi: int, smallest: int = 16) -> list[int]:
-    """Powers of two covering [lo, hi], the last one being hi itself. Sizes below `smallest`
-    share one bucket: a graph per tiny size costs compile time and buys almost nothing."""
+    """Powers of two from `smallest` covering [lo, hi], the last one being hi itself; sizes below
+    `smallest` share the first bucket, except that a range from 1 also gets a bucket of 1.
+
+    Size 1 is what a decode step and a single request send, and it runs other code (a one-row
+    GEMM is a GEMV, codegen._gemv; attention has one query); a bucket of 1 for a range from 1
+    holds one size only, so it is lowered as a static program (Lowering.pinned). Nothing between 1
+    and 16: GEMM row tiles are at least 16 rows (codegen.GEMM_MIN_BM), so sizes 2..16 run the
+    same tiles, and every bucket is a graph to lower, build and store; dynamic dimensions
+    multiply (batch 1..8 x seq 1..512: 2 x 7 = 14 graphs, 4 x 10 = 40 with every power of two
+    from 1). A range from 0 gets no bucket of 1 (bucket_lists says why)."""
     out, b = [], max(smallest, 1)
     while b < hi:
         if b >= lo:
             out.append(b)
         b *= 2
     out.append(hi)
+    if lo == 1:
+        out.append(1)
     return sorted(set(out))
 
 
@@ -232,6 +242,12 @@ def bucket_lists(symbols: list[Symbol], overrides: dict | None) -> dict[str, lis
             values = sorted(set(int(v) for v in overrides[s.name]))
             if not values or values[0] < 1:
                 raise ShapeError(f"buckets of {s.name} must be positive")
+            if values[0] == 1 and s.lo == 0:
+                # at bound 1 a dimension is lowered as size 1 (views treat it as broadcastable),
+                # so a size-0 call would be computed as size 1
+                raise ShapeError(f"a bucket of 1 for {s.name}, whose range starts at 0, would also "
+                                 "serve size 0, which a graph at bound 1 computes as size 1; start "
+                                 f"its buckets at 2, or export {s.name} with min=1")
             if values[-1] < s.hi:
                 raise ShapeError(f"the largest bucket of {s.name} ({values[-1]}) is below the "
                                  f"exported maximum {s.hi}; add a bucket of at least {s.hi}")

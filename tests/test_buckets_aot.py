@@ -9,6 +9,7 @@ pytest.importorskip("triton")
 import sympy  # noqa: E402
 from torch.export import Dim  # noqa: E402
 
+from grace.aot import check as grace_check  # noqa: E402
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.aot import shapes  # noqa: E402
 from grace.aot.lower import LoweringError  # noqa: E402
@@ -20,10 +21,34 @@ B = sympy.Symbol("s1", positive=True, integer=True)
 
 
 def test_default_buckets_are_powers_of_two_ending_at_the_max():
-    assert shapes.default_buckets(1, 512) == [16, 32, 64, 128, 256, 512]
-    assert shapes.default_buckets(1, 100) == [16, 32, 64, 100]
+    assert shapes.default_buckets(1, 512) == [1, 16, 32, 64, 128, 256, 512]
+    assert shapes.default_buckets(1, 100) == [1, 16, 32, 64, 100]
     assert shapes.default_buckets(40, 100) == [64, 100]
-    assert shapes.default_buckets(1, 8) == [8]
+    assert shapes.default_buckets(1, 8) == [1, 8]
+    assert shapes.default_buckets(2, 512) == [16, 32, 64, 128, 256, 512]
+    assert shapes.default_buckets(0, 64) == [16, 32, 64]   # no 1: it would also serve size 0
+
+
+def _bound_one_cases():
+    seq, batch = Dim("seq", min=1, max=64), Dim("batch", min=1, max=8)
+    return {
+        "bert_dynamic_seq": (models.hf_bert(max_pos=64), (torch.randint(0, 128, (1, 9)),),
+                             {"input_ids": {1: seq}}, {"seq": [1, 64]}),
+        "vit_dynamic_batch": (models.TinyViT(), (torch.randn(2, 3, 32, 32),), {"x": {0: batch}},
+                              {"batch": [1, 8]}),
+        "llama_batch2_dynamic_seq": (models.LlamaBlock(max_seq=64), (torch.randn(2, 17, 64),),
+                                     {"x": {1: seq}}, {"seq": [1, 64]}),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_bound_one_cases()))
+def test_common_models_lower_at_a_bucket_of_one(name):
+    """A default bucket of 1 (a batch of 1 not paying for 16): these models lower with a dynamic
+    dimension at bound 1, as a static program (its one size), beside their other buckets."""
+    torch.manual_seed(0)
+    model, args, dynamic, buckets = _bound_one_cases()[name]
+    report = grace_check(model.eval(), args, dynamic_shapes=dynamic, buckets=buckets, codegen=False)
+    assert report.ok, report.format()
 
 
 def test_bucket_overrides_are_checked():
@@ -33,6 +58,23 @@ def test_bucket_overrides_are_checked():
         shapes.bucket_lists([sym], {"len": [64]})
     with pytest.raises(shapes.ShapeError, match="below the exported maximum 300"):
         shapes.bucket_lists([sym], {"seq": [64, 128]})
+
+
+def test_symbol_names_are_the_dims_else_input_dot_dim_in_check_as_in_compile():
+    """A module exported by grace (check or compile with dynamic_shapes) names a symbol after its
+    Dim; an ExportedProgram (a .pt2 for the CLI) after its first input dim, `x.0`. The names
+    --buckets / buckets= take are those, and an unknown one lists them."""
+    batch = Dim("batch", min=2, max=16)
+    model, x = models.MLP().eval(), torch.randn(4, 64)
+    assert grace_check(model, (x,), dynamic_shapes={"x": {0: batch}}, buckets={"batch": [8, 16]},
+                       codegen=False).ok
+    wrong = grace_check(model, (x,), dynamic_shapes={"x": {0: batch}}, buckets={"x.0": [8, 16]},
+                        codegen=False)
+    assert not wrong.ok and "dynamic dimensions are: batch" in wrong.problems[0].reasons[0]
+    ep = torch.export.export(model, (x,), dynamic_shapes={"x": {0: batch}})
+    assert grace_check(ep, buckets={"x.0": [8, 16]}, codegen=False).ok
+    wrong = grace_check(ep, buckets={"batch": [8, 16]}, codegen=False)
+    assert not wrong.ok and "dynamic dimensions are: x.0" in wrong.problems[0].reasons[0]
 
 
 def test_combinations_are_the_product_of_bucket_lists():

@@ -72,8 +72,8 @@ def test_llama_block_at_every_length(tmp_path):
     torch.manual_seed(0)
     graphs = check_lengths(models.LlamaBlock(max_seq=MAX), lambda n: torch.randn(1, n, 64), "x",
                            tmp_path)
-    # default buckets (16, 32, ..., 256): the smallest that fits serves each length
-    assert graphs == {"L1": "seq=16", "L17": "seq=32", "L100": "seq=128", "L129": "seq=256",
+    # default buckets (1, 16, 32, ..., 256): the smallest that fits serves each length
+    assert graphs == {"L1": "seq=1", "L17": "seq=32", "L100": "seq=128", "L129": "seq=256",
                       f"L{MAX}": "seq=256"}
 
 
@@ -241,3 +241,28 @@ def test_item_beyond_its_checked_range_is_clamped_not_read_past(tmp_path):
     x = torch.randn(12, 4)
     results = run_cases(path, {"over": {"x": x.numpy(), "n": np.array(40)}}, tmp_path)
     assert np.allclose(results["over"]["out"], (x + 1).numpy())
+
+
+class _ExpSum(torch.nn.Module):
+    def forward(self, x):
+        return x.exp().sum(0)
+
+
+def test_a_bucket_of_one_on_a_range_from_zero_is_refused(tmp_path):
+    """exp(x).sum(0) over no rows is 0, but a graph at bound 1 lowers the dimension as size 1 and
+    would sum the one row it assumes is there (exp(0) = 1): a bucket of 1 for a range from 0 is
+    refused; from 1 it is the default (one size: a static graph) and right at size 1."""
+    from grace.aot.lower import LoweringError
+
+    with pytest.raises(LoweringError, match="range starts at 0, would also serve size 0"):
+        grace_compile(_ExpSum(), (torch.randn(3, 4),), output=tmp_path / "m.grace",
+                      progress=False, buckets={"n": [1, 16]},
+                      dynamic_shapes={"x": {0: Dim("n", min=0, max=16)}})
+    path = grace_compile(_ExpSum(), (torch.randn(3, 4),), output=tmp_path / "m1.grace",
+                         progress=False, dynamic_shapes={"x": {0: Dim("n", min=1, max=16)}})
+    x1, x5 = np.random.default_rng(0).standard_normal((2, 5, 4)).astype(np.float32)[:, :1], \
+        np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32)
+    results = run_cases(path, {"one": {"x": x1[0]}, "five": {"x": x5}}, tmp_path)
+    assert str(results["one"]["graph"]) == "n=1" and str(results["five"]["graph"]) == "n=16"
+    np.testing.assert_allclose(results["one"]["out"], np.exp(x1[0]).sum(0), rtol=1e-6)
+    np.testing.assert_allclose(results["five"]["out"], np.exp(x5).sum(0), rtol=1e-6)
