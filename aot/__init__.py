@@ -9,7 +9,7 @@ The pipeline, one module per stage (read them in this order):
     memplan.py  arena offsets + graph dependencies
     codegen.py  kernel IR -> Triton source (expressions in codegen_expr.py)
     build.py    Triton source -> cubin per arch (cached, parallel)
-    package.py  manifest + sections -> .grace (written by grace.formats)
+    manifest.py manifest + sections -> .grace (written by grace.formats)
     check.py    `grace check`: every op the stages above cannot lower, at once, nothing built
     backend.py  `torch.compile(model, backend="grace")`: each Dynamo graph through the stages above
     versions.py the torch/triton versions the compiler is pinned to (a warning for others)

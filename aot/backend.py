@@ -367,7 +367,7 @@ def _range(size) -> tuple[int, int | None]:
     rng = node.shape_env.var_to_range.get(node.expr)
     if rng is None:
         rng = node.shape_env.bound_sympy(node.expr)
-    from .shapes import range_bound
+    from .extents import range_bound
 
     lo = range_bound(rng.lower)
     return (0 if lo is None else max(lo, 0)), range_bound(rng.upper)

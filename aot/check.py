@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import export, fuse, generation, lower, memplan, shapes, views
+from . import export, extents, fuse, generation, lower, memplan, views
 from .lower import LoweringError
 
 _FRAME_RE = re.compile(r'File "(.*)", line (\d+)(?:, in (.*))?')
@@ -200,7 +200,7 @@ class _Collector:
 
 def _reason(exc: BaseException, node) -> tuple[str, bool]:
     """(one-line reason, internal?) for an exception raised while lowering `node`."""
-    if isinstance(exc, (LoweringError, shapes.ShapeError)):
+    if isinstance(exc, (LoweringError, extents.ShapeError)):
         msg = " ".join(str(exc).split())
         if msg.startswith(f"cannot lower {node.target} (node "):
             return "no lowering for this op", False
@@ -246,7 +246,7 @@ class _CollectingLowering(lower.Lowering):
                                                              f"stand_in.{node.name}"))
             if isinstance(val, torch.SymInt):
                 try:
-                    return shapes.SymSize(self.size_of(val), val.node.expr)
+                    return extents.SymSize(self.size_of(val), val.node.expr)
                 except Exception:  # noqa: BLE001
                     return None
             if isinstance(val, (int, float, bool)):
@@ -303,18 +303,18 @@ def _check_buckets(core, name, options, dim_names, buckets, generate, codegen_to
     from . import codegen, lower_ops, lower_scan, lower_vision  # noqa: F401 (the handlers)
 
     try:
-        symbols = shapes.find_symbols(core, dim_names)
-        lists = shapes.bucket_lists(symbols, {k: [int(x) for x in v] for k, v in (buckets or {}).items()})
-        symbols += shapes.find_data_symbols(core, symbols)
+        symbols = extents.find_symbols(core, dim_names)
+        lists = extents.bucket_lists(symbols, {k: [int(x) for x in v] for k, v in (buckets or {}).items()})
+        symbols += extents.find_data_symbols(core, symbols)
         if generate:
             generation.add_decode_bucket(core, symbols, lists, dict(generate))
-    except (LoweringError, shapes.ShapeError) as exc:
+    except (LoweringError, extents.ShapeError) as exc:
         collector.add(None, " ".join(str(exc).split()))
         return 0
     sym_index = {s.expr: i for i, s in enumerate(symbols)}
     by_name = {n.name: n for n in core.graph_module.graph.nodes}
     graphs = 0
-    for bounds in shapes.combinations(symbols, lists):
+    for bounds in extents.combinations(symbols, lists):
         bucket = {s.expr: bounds[s.name] for s in symbols if s.kind == "input"}
         lowering = _CollectingLowering(core, name, options, bucket, collector=collector)
         graphs += 1
@@ -323,7 +323,7 @@ def _check_buckets(core, name, options, dim_names, buckets, generate, codegen_to
             if generate:
                 generation.add_state(lowered, dict(generate))
         except Exception as exc:  # noqa: BLE001 - outside any one node: the program's inputs/outputs
-            internal = not isinstance(exc, (LoweringError, shapes.ShapeError))
+            internal = not isinstance(exc, (LoweringError, extents.ShapeError))
             text = " ".join(str(exc).split())
             collector.add(None, f"{_INTERNAL}: {type(exc).__name__}: {text}" if internal else text,
                           internal)

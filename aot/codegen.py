@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, NotBeforeWait, Writer, and_mask, factor_terms
 from .ir import EXTENTS, Index, Kernel, contiguous_strides, loads, numel
-from .shapes import is_prefix, true_size
+from .extents import is_prefix, true_size
 from .gemm_tiles import Tile
 
 HEADER = "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
@@ -40,7 +40,7 @@ class KernelSource:
     num_stages: int
     writes: list = field(default_factory=list)   # indices of the parameters it stores through
     # PDL: the kernel loads weights before its gdc_wait(), so launching it early overlaps work
-    # (only such kernels are the targets of programmatic edges: aot/package.py)
+    # (only such kernels are the targets of programmatic edges: aot/manifest.py)
     prefetches: bool = False
 
 

@@ -18,7 +18,7 @@ from grace.formats.dtypes import POINTER_TYPES
 from .ir import (ERRORS, EXTENTS, FLOATS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape,
                  SymValue, compute_dtype, contiguous_strides, is_contiguous, numel)
 from .ops import FLOAT_OPERANDS, SAME_TYPE_OPERANDS, TEMPLATES  # what each Op means
-from .shapes import is_static_size
+from .extents import is_static_size
 
 TL_TYPE = {
     "float64": "tl.float64", "float32": "tl.float32", "float16": "tl.float16",
@@ -190,7 +190,7 @@ class Ctx:
 
     def valid(self, ext) -> str | None:
         """The condition that this context's index is a real element, given the extents of its
-        dimensions (shapes.py), or None when every element is."""
+        dimensions (extents.py), or None when every element is."""
         if ext is None:
             return None
         terms = []

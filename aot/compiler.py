@@ -9,7 +9,7 @@ after the other). A *target* (format 3.5, per-arch variants) is the archs compil
 PDL setting (sm_90+ only) and the same SM count (formats.archs.SM_COUNTS, or --sm-count). Export,
 decompositions and symbols are shared; each target lowers, fuses, plans and generates its own
 graphs, so two targets take about twice as long as one. Kernels of identical source are built once
-per arch and stored once; so are graphs identical across targets (aot/package.py).
+per arch and stored once; so are graphs identical across targets (aot/manifest.py).
 Between stages, GRACE_DUMP=DIR writes each state (aot/dump.py), GRACE_VERIFY=1 checks the IR
 after lower, fuse and memplan (aot/verify_ir.py), and the override stage applies
 GRACE_OVERRIDE=DIR (kernel sources by name). docs/architecture.md, "Seeing between the stages".
@@ -29,8 +29,8 @@ import torch
 
 from grace.formats import archs as arch_rules
 
-from . import (build, codegen, dump, export, fuse, gemm_tiles, generation, lower, memplan, package,
-               shapes, verify_ir, versions)
+from . import (build, codegen, dump, export, extents, fuse, gemm_tiles, generation, lower, manifest, memplan,
+               verify_ir, versions)
 from .check import relocate
 
 ARCH_RE = re.compile(r"^sm_(\d{2,3})$")   # the compile targets (formats.archs.COMPILE_ARCH_RE)
@@ -55,13 +55,17 @@ class CompileOptions:
     # a causal LM for generate(): (("tokens", NAME), ("positions", NAME), ("logits", NAME)?,
     # ("capacity", N)?) — docs/design-state.md
     generate: tuple = ()
-    # programmatic dependent launch (docs/design-pdl.md). Off by default: as built today it made
-    # the Llama-1B decode token 10% slower on the H200 (docs/performance.md). Applied to the sm_90+
-    # archs; the others get graphs without it (format 3.5 variants).
+    # programmatic dependent launch (docs/design-pdl.md). Applied to the sm_90+ archs; the others
+    # get graphs without it (format 3.5 variants). Off by default: on the H200 it made MobileBERT
+    # 24% faster and the 1B decode token 4%, but ResNet-50 4% slower (docs/performance.md).
     pdl: bool = False
     # multiprocessor counts per arch for another part than formats.archs.SM_COUNTS's:
     # (("sm_90", 114),) for an H100 PCIe. The tile plans (split-K, attention splits) fill this many.
     sm_count: tuple = ()
+    # GEMMs of >= 128 rows tiled from the arch's measured table (aot/gemm_tiles.py). Off by
+    # default: the table was measured on a mirror of the GEMM template, and with it ViT-S ran 14%
+    # and ResNet-50 31% slower on the H200 (docs/performance.md, sixth session).
+    gemm_tiles: bool = False
 
     def __post_init__(self):
         if not self.archs:
@@ -104,7 +108,7 @@ class CompileOptions:
         groups: dict[tuple, list] = {}
         for arch in self.archs:
             key = (self.pdl and arch_rules.supports_pdl(arch), arch_rules.sm_count(arch, counts),
-                   gemm_tiles.table_arch(arch))
+                   gemm_tiles.table_arch(arch) if self.gemm_tiles else None)
             groups.setdefault(key, []).append(arch)
         return [Target(tuple(a), pdl, n, tiles) for (pdl, n, tiles), a in groups.items()]
 
@@ -113,7 +117,7 @@ class CompileOptions:
         archs, fp32_matmul, pdl as asked, and `targets`, what each group of archs was compiled
         for ([{archs, pdl, sm_count}], format 3.5)."""
         d = asdict(self)
-        for key in ("progress", "jobs", "buckets", "generate", "sm_count"):
+        for key in ("progress", "jobs", "buckets", "generate", "sm_count", "gemm_tiles"):
             d.pop(key)
         d["archs"] = list(self.archs)
         d["targets"] = [t.recorded() for t in self.targets()]
@@ -150,7 +154,7 @@ class CompileReport:
 
 def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90",),  # noqa: A001
             name=None, progress=False, fp32_matmul=None, jobs=None, dynamic_shapes=None,
-            buckets=None, generate=None, pdl=False, sm_count=None) -> Path:
+            buckets=None, generate=None, pdl=False, sm_count=None, gemm_tiles=False) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
     `example_inputs` (positional) and `kwargs` (keyword example inputs) go to torch.export as its
@@ -165,13 +169,15 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     causal LM for `Session.generate` (optional "logits": an output name, default the first;
     "capacity": cache positions, default the size of the state dimension `positions` indexes).
     `pdl=True`: programmatic edges between kernels (docs/design-pdl.md) in the graphs for the
-    sm_90+ archs; archs before sm_90 get graphs without them. Off by default: measured slower on
-    the H200 so far (docs/performance.md).
+    sm_90+ archs; archs before sm_90 get graphs without them. Off by default: faster on most
+    models measured on the H200, slower on ResNet-50 (docs/performance.md, docs/design-pdl.md).
     `archs` with different settings (pdl on sm_90 but not sm_80, or different SM counts) make one
     package with per-arch variants (format 3.5): each target is lowered and generated on its own
     (compile time grows with the number of targets), the runtime runs the variant of its GPU.
     `sm_count={"sm_90": 114}`: the multiprocessor count to plan an arch's tiles for, for a part
     other than formats.archs.SM_COUNTS's (the H100 PCIe has 114, the table's H100/H200 132).
+    `gemm_tiles=True`: GEMMs of >= 128 rows take their tiles from the arch's measured table
+    (aot/gemm_tiles.py); off by default, as it measured slower on whole models so far.
 
     A library call prints nothing: `progress=True` reports each stage and a build progress bar on
     stderr (what `grace compile` shows). Errors are exceptions (LoweringError names the op and
@@ -180,7 +186,8 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
                              jobs, progress,
                              tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()),
                              tuple((generate or {}).items()), bool(pdl),
-                             tuple((str(k), v) for k, v in (sm_count or {}).items()))
+                             tuple((str(k), v) for k, v in (sm_count or {}).items()),
+                             bool(gemm_tiles))
     dim_names = None
     if isinstance(program, torch.nn.Module):
         if example_inputs is None and not kwargs:
@@ -228,7 +235,7 @@ def _say(options: CompileOptions, msg: str):
 # The pipeline: named stages, each a function from one state to the next
 # ----------------------------------------------------------------------------------------------
 # Stages with `per_bucket` run once per shape bucket (one graph each), bucket by bucket in the
-# order of shapes.combinations, on that bucket's BucketState; the others run once on the
+# order of extents.combinations, on that bucket's BucketState; the others run once on the
 # CompileState. GRACE_DUMP=DIR writes the state after every stage (aot/dump.py), GRACE_VERIFY=1
 # checks the IR after lower, fuse and memplan (aot/verify_ir.py), GRACE_OVERRIDE=DIR swaps kernel
 # sources by name before the build (the `override` stage).
@@ -246,7 +253,7 @@ class BucketState:
     kernels: list | None = None   # fuse: the kernels after epilogue fusion (empty ones dropped)
     plan: object = None           # memplan: the memplan.MemoryPlan
     sources: list | None = None   # codegen: one codegen.KernelSource per kernel
-    graph: object = None          # codegen: the package.GraphBuild (with the dependency edges)
+    graph: object = None          # codegen: the manifest.GraphBuild (with the dependency edges)
 
 
 @dataclass
@@ -259,7 +266,7 @@ class CompileState:
     options: CompileOptions
     dim_names: dict | None = None
     core: object = None           # export: core ATen, constant inputs dropped
-    symbols: list = field(default_factory=list)   # symbols: shapes.Symbol, input then data
+    symbols: list = field(default_factory=list)   # symbols: extents.Symbol, input then data
     lists: dict = field(default_factory=dict)     # symbols: bucket bounds per input symbol
     sym_index: dict = field(default_factory=dict)  # symbols: sympy symbol -> extents word
     output_names: list = field(default_factory=list)
@@ -300,17 +307,17 @@ def _symbols(st: CompileState) -> CompileState:
     """symbols: the size symbols (input dims, then data-dependent sizes), their bucket lists, the
     decode bucket of --generate, and one BucketState per combination of buckets."""
     try:
-        st.symbols = shapes.find_symbols(st.core, st.dim_names)
-        st.lists = shapes.bucket_lists(st.symbols, dict(st.options.buckets))
-        st.symbols += shapes.find_data_symbols(st.core, st.symbols)
-    except shapes.ShapeError as exc:
+        st.symbols = extents.find_symbols(st.core, st.dim_names)
+        st.lists = extents.bucket_lists(st.symbols, dict(st.options.buckets))
+        st.symbols += extents.find_data_symbols(st.core, st.symbols)
+    except extents.ShapeError as exc:
         raise lower.LoweringError(str(exc)) from exc
     if st.options.generate:   # decode (one token) is a bucket of its own
         generation.add_decode_bucket(st.core, st.symbols, st.lists, dict(st.options.generate))
     st.sym_index = {s.expr: i for i, s in enumerate(st.symbols)}
     st.output_names = program_output_names(st.core)
     st.targets = st.options.targets()
-    combos = shapes.combinations(st.symbols, st.lists)
+    combos = extents.combinations(st.symbols, st.lists)
     st.buckets = []
     for target in st.targets:   # target by target, each in bucket order
         for b in combos:
@@ -327,10 +334,10 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
     try:
         b.program = lower.lower(st.core, st.name, _target(b, st).lowering_options(st.options),
                                 bucket)
-    except (lower.LoweringError, shapes.ShapeError) as exc:
+    except (lower.LoweringError, extents.ShapeError) as exc:
         relocate(exc, st.core)   # "used at" the user's line, not torch/nn/modules/*.py
         raise
-    package.name_outputs(b.program, st.output_names)   # the model's own names (logits, ...)
+    manifest.name_outputs(b.program, st.output_names)   # the model's own names (logits, ...)
     if st.options.generate:
         generation.add_state(b.program, dict(st.options.generate))
     return b
@@ -363,7 +370,7 @@ def _codegen(b: BucketState, st: CompileState) -> BucketState:
     deps = memplan.dependencies(b.kernels, b.plan, readers)
     all_bounds = {s.name: int(b.program.bounds.get(s.expr, s.hi or 0)) for s in st.symbols}
     archs = None if len(st.targets) == 1 else target.archs
-    b.graph = package.GraphBuild(b.name, all_bounds, b.program, b.kernels, b.plan, deps, b.sources,
+    b.graph = manifest.GraphBuild(b.name, all_bounds, b.program, b.kernels, b.plan, deps, b.sources,
                                  archs=archs, pdl=target.pdl, sm_count=target.sm_count,
                                  bucket_name=b.bucket_name or b.name)
     return b
@@ -380,8 +387,8 @@ def _table(st: CompileState) -> CompileState:
     unique kernels."""
     st.graphs = [b.graph for b in st.buckets]
     _check_same_interface(st.graphs)
-    st.checks = package.index_checks(st.graphs, st.symbols)   # gathers' bounds checks (3.3)
-    layouts = [package.table_layout(g.program, len(st.symbols), bool(st.checks))
+    st.checks = manifest.index_checks(st.graphs, st.symbols)   # gathers' bounds checks (3.3)
+    layouts = [manifest.table_layout(g.program, len(st.symbols), bool(st.checks))
                for g in st.graphs]  # sets buf.slot
     if any(layout != layouts[0] for layout in layouts[1:]):
         raise lower.LoweringError("internal: buckets lowered to different argument tables")
@@ -458,7 +465,7 @@ def _override(st: CompileState) -> CompileState:
 def _build(st: CompileState) -> CompileState:
     """build: every unique kernel compiled to a cubin for each arch that runs it (every arch of
     the targets whose graphs use it; cached, in parallel)."""
-    archs = package.kernel_archs(st.writer, st.graphs, list(st.options.archs),
+    archs = manifest.kernel_archs(st.writer, st.graphs, list(st.options.archs),
                                  [st.step.source] if st.step else ())
     st.requests = [build.BuildRequest(s.name, s.source, tuple(s.param_types), s.num_warps,
                                       s.num_stages, arch)
@@ -470,11 +477,11 @@ def _build(st: CompileState) -> CompileState:
 
 
 def _package(st: CompileState) -> CompileState:
-    """package: the manifest and sections (package.build_manifest), written atomically."""
+    """package: the manifest and sections (manifest.build_manifest), written atomically."""
     from grace.formats import write_package
 
     slots, extents, table_nbytes, errors = st.layout
-    st.manifest, st.sections = package.build_manifest(
+    st.manifest, st.sections = manifest.build_manifest(
         st.graphs, st.symbols, st.writer, st.binaries, list(st.options.archs), st.recorded, slots,
         extents, table_nbytes, st.step, errors, st.checks)
     if st.overrides:   # an optional producer key: this package is not a clean build
@@ -601,7 +608,7 @@ def _check_same_interface(graphs) -> None:
 
 
 def _cost_note(symbols, lists) -> str:
-    parts = [f"{s.name}: {shapes.padding_cost(s, lists[s.name]):.0%} padded work"
+    parts = [f"{s.name}: {extents.padding_cost(s, lists[s.name]):.0%} padded work"
              for s in symbols if s.kind == "input"]
     return ("expected padding over sizes uniform in each exported range (work ∝ size): "
             + "; ".join(parts))

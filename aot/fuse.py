@@ -81,7 +81,9 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
                     continue
                 producer.epilogue = _substitute(expr, buf, producer.epilogue)
                 producer.out = consumer.out
-                producer.label = f"{producer.label}+{consumer.label}"
+                parts = producer.label.split("+")   # each op named once (a copy of `mm` adds none)
+                parts += [p for p in consumer.label.split("+") if p and p not in parts]
+                producer.label = "+".join(parts)
                 kernels = kernels[:i] + kernels[i + 1:j] + [producer] + kernels[j + 1:]
                 changed = True
                 break

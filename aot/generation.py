@@ -98,7 +98,7 @@ def _capacity(program, spec: dict) -> int:
 def plan(graphs, symbols, spec: dict) -> GenerationPlan:
     """Check the logits output on the last graph, the largest bucket's (at the decode bucket T is
     pinned to 1, so the logits are static there), and build the step kernel over graph 0's
-    buffers (whose memory plan package.py maps them with; it reads T from the logits' slot at
+    buffers (whose memory plan manifest.py maps them with; it reads T from the logits' slot at
     run time, and rank and vocabulary are the same in every graph)."""
     program = graphs[-1].program
     outputs = {b.name: b for b in program.outputs}

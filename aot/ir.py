@@ -9,7 +9,7 @@ kernel of its own: it is evaluated inside whichever kernel reads it (prologue fu
 (epilogue fusion).
 
 Every `Kernel` writes exactly one contiguous buffer. Sizes here are the bucket's (static); which
-elements are real is described by extents (`shapes.py`) that kernels evaluate on the device.
+elements are real is described by extents (`extents.py`) that kernels evaluate on the device.
 """
 from __future__ import annotations
 
@@ -358,7 +358,7 @@ class Kernel:
     out_shape: tuple[int, ...]
     epilogue: Expr
     label: str = ""
-    # extents (shapes.py) of out_shape, per dimension; None = all static
+    # extents (extents.py) of out_shape, per dimension; None = all static
     ext: tuple | None = None
 
     def __post_init__(self):

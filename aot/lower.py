@@ -15,12 +15,12 @@ import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from . import families, linear_groups, shapes, views
+from . import extents, families, linear_groups, views
 from .families import Pointwise
 from .ir import (Buffer, Const, Expr, Kernel, Load, Op, Program, SymValue,
                  contiguous_strides, expr_size, is_cheap, loads, walk)
 from .ops import COSTLY
-from .shapes import SymSize, sym_expr
+from .extents import SymSize, sym_expr
 from .views import TV
 
 HANDLERS: dict[Any, Callable] = {}
@@ -87,7 +87,7 @@ class Lowering:
     """Walks the graph once; holds the kernels emitted so far.
 
     `bucket` maps each input symbol (sympy) to its bound in the graph being lowered; the
-    lowering is then that of a static program at those sizes, plus extents (shapes.py) that tell
+    lowering is then that of a static program at those sizes, plus extents (extents.py) that tell
     every kernel which elements are real."""
 
     def __init__(self, program: ExportedProgram, name: str, options: dict | None = None,
@@ -121,6 +121,10 @@ class Lowering:
         self.index_checks: list[dict] = []
         self._node_pos: dict | None = None   # FX node -> its position (check codes)
         self.env: dict[torch.fx.Node, Any] = {}
+        # id(expr) -> (expr, node name): the FX node whose op computed each node's value (views
+        # pass their input's on), so a kernel that realises a value is labelled by what it
+        # computes, not by the consumer that needed it in memory (`label_of`)
+        self._origin: dict[int, tuple] = {}
         self._count = 0
         self.node: torch.fx.Node | None = None
         self.folded: dict = {}
@@ -136,12 +140,12 @@ class Lowering:
     def size_of(self, size) -> int:
         """A size from node metadata (int or SymInt) at this bucket's bounds."""
         expr = sym_expr(size)
-        return int(size) if expr is None else shapes.evaluate(expr, self.bucket)
+        return int(size) if expr is None else extents.evaluate(expr, self.bucket)
 
     def entry_of(self, size):
         """The extent of one dimension from node metadata: None (static) or one factor."""
         expr = self.dynamic_expr(size)
-        return None if expr is None else shapes.simple(shapes.evaluate(expr, self.bucket), expr)
+        return None if expr is None else extents.simple(extents.evaluate(expr, self.bucket), expr)
 
     def dynamic_expr(self, size):
         """A size's symbolic expression, or None where it is static in this bucket: its symbols
@@ -173,7 +177,7 @@ class Lowering:
             return None
         ext = kernel.ext
         if ext is not None and tuple(kernel.out.shape) != tuple(kernel.out_shape):
-            ext = shapes.regroup(kernel.out_shape, ext, kernel.out.shape)
+            ext = extents.regroup(kernel.out_shape, ext, kernel.out.shape)
         return views.contiguous_load(kernel.out, ext)
 
     def realize(self, tv: TV, into: Buffer | None = None) -> TV:
@@ -183,7 +187,54 @@ class Lowering:
                 and expr.strides == contiguous_strides(tv.shape) and expr.buf.shape == tv.shape):
             return tv
         out = into or self.new_buffer(tv.shape, tv.dtype)
-        return self.emit(Kernel(Pointwise(), out, tv.shape, tv.expr, ext=tv.ext))
+        return self.emit(Kernel(Pointwise(), out, tv.shape, tv.expr, ext=tv.ext,
+                                label=self.label_of(tv.expr)))
+
+    def note_origin(self, node, value) -> None:
+        """Record that `node` computed `value` (a view or copy passes on its input's origin)."""
+        if not isinstance(value, TV) or id(value.expr) in self._origin:
+            return
+        name = node.name
+        if _packet_name(node) in _VIEW_OPS:
+            src = next((self._origin.get(id(v.expr)) for n in node.all_input_nodes
+                        if isinstance(v := self.env.get(n), TV)), None)
+            if src is not None and src[1]:
+                name = src[1]
+        self._origin[id(value.expr)] = (value.expr, name)
+
+    def label_of(self, expr) -> str:
+        """The kernel label of a realised value: the node that computed it, else the nodes whose
+        values its expression reads (the outermost ones, first three in expression order), else the
+        input of the node being lowered that it is a view of, else "" (emit then names the node
+        being lowered)."""
+        hit = self._origin.get(id(expr))
+        if hit is not None and hit[0] is expr:
+            return hit[1]
+        names, seen, stack = [], set(), [expr]
+        while stack and len(names) < 3:
+            e = stack.pop()
+            if id(e) in seen:
+                continue
+            seen.add(id(e))
+            hit = self._origin.get(id(e))
+            if hit is not None and hit[0] is e:
+                if hit[1] not in names:
+                    names.append(hit[1])
+                continue
+            stack.extend(reversed(e.children()))
+        if names:
+            return "+".join(names)
+        # a view the handler rebuilt (its ops are new objects): the input of the node being
+        # lowered whose value reads every buffer it reads
+        if self.node is not None:
+            bufs = {id(load.buf) for load in loads(expr)}
+            for n in self.node.all_input_nodes:
+                v = self.env.get(n)
+                hit = self._origin.get(id(v.expr)) if isinstance(v, TV) else None
+                if (hit is not None and hit[0] is v.expr
+                        and bufs <= {id(load.buf) for load in loads(v.expr)}):
+                    return hit[1]
+        return ""
 
     def operand(self, tv: TV, row: bool = False) -> TV:
         """A GEMM/attention operand: recomputing it per tile must stay cheap, else realize it.
@@ -402,16 +453,18 @@ class Lowering:
             value = handler(self, node, *args, **kwargs)
             if self.dynamic:
                 value = self.with_extents(node, value)
-        except (LoweringError, shapes.ShapeError) as exc:
+        except (LoweringError, extents.ShapeError) as exc:
             if "used at" in str(exc):
                 raise
             raise LoweringError(f"{exc} — in {node.target} (node '{node.name}'), used at "
                                 f"{source_line(node)}") from exc
+        self.note_origin(node, value)
         if (isinstance(value, TV) and len(node.users) > 1 and _worth_sharing(value)
                 and not linear_groups.feeds_one_group(node, self.is_weight_node)):
             value = self.store(value)
         elif isinstance(value, TV) and expr_size(value.expr) > 160:
             value = self.store(value)
+        self.note_origin(node, value)   # the stored copy too
         return value
 
     def store(self, tv: TV) -> TV:
@@ -448,7 +501,7 @@ class Lowering:
                 if isinstance(t, TV):
                     for e in t.exts():
                         if e is not None:
-                            size = shapes.true_size(e, 0)
+                            size = extents.true_size(e, 0)
                             if known.setdefault(size, e) != e:
                                 conflicts.add(size)
         if value.ext is None:
@@ -457,11 +510,11 @@ class Lowering:
                     "this op combines tensors whose dimensions of the same dynamic size are laid "
                     "out differently (one merges several dynamic dimensions by a reshape, the "
                     "other does not); reshape after the op instead")
-            ext = [None if m is None else known.get(m) or shapes.simple(self.size_of(d), m)
+            ext = [None if m is None else known.get(m) or extents.simple(self.size_of(d), m)
                    for m, d in zip(metas, val.shape)]
             return TV(value.expr, value.shape, ext)
         for d, (m, e) in enumerate(zip(metas, value.exts())):
-            true = shapes.true_size(e, value.shape[d]) if e is not None else None
+            true = extents.true_size(e, value.shape[d]) if e is not None else None
             if (m is None) != (e is None) or (m is not None and sympy.expand(true - m) != 0):
                 raise LoweringError(f"internal: extents of dim {d} are {e}, torch says {m}")
         return value
@@ -487,7 +540,7 @@ class Lowering:
             if buf.dynamic and any(len(e) > 1 for e in tv.ext if e is not None):
                 raise LoweringError(f"output {i} has a merged dynamic dimension; return it with "
                                     "each dynamic dimension separate")
-            if any(e is not None and shapes.true_size(e, 0).free_symbols & self.data_symbols
+            if any(e is not None and extents.true_size(e, 0).free_symbols & self.data_symbols
                    for e in tv.exts()[1:]):
                 raise LoweringError(f"output {i} has a data-dependent size in a dimension other "
                                     "than the first; the host could not know its strides")
@@ -583,6 +636,17 @@ def _span_end(tensor: torch.Tensor) -> int:
     return tensor.storage_offset() + extent + 1
 
 
+# ops that compute nothing: their value's origin is their input's (`Lowering.note_origin`)
+_VIEW_OPS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand",
+                       "expand_as", "slice", "select", "unsqueeze", "squeeze", "alias", "clone",
+                       "contiguous", "detach", "view_as", "as_strided", "unflatten", "flatten"})
+
+
+def _packet_name(node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    return getattr(packet, "__name__", "") if packet is not None else ""
+
+
 def _is_size_arithmetic(node) -> bool:
     """Arithmetic on sizes (sym_size, s0 * 64, u0 >= 0): evaluated from node metadata, not lowered.
     `.item()` is the exception: it turns a tensor value into a size, on the device."""
@@ -598,7 +662,8 @@ NOT_FOLDABLE = {torch.ops.aten.rand.default, torch.ops.aten.randn.default,
 def fold_constants(graph, specs, state) -> dict:
     """Evaluate, with torch at compile time, every node that depends on no user input and no
     parameter: attention masks built from shapes, position ids, constant tables. Parameters stay
-    out so that views of large weights are not duplicated."""
+    out so that views of large weights are not duplicated. A node torch cannot run eagerly (a
+    RuntimeError or TypeError from the op) is left unfolded; nothing else is swallowed."""
     values: dict = {}
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -618,7 +683,10 @@ def fold_constants(graph, specs, state) -> dict:
         try:
             with torch.no_grad():
                 values[node] = node.target(*args, **kwargs)
-        except Exception:
+        except (RuntimeError, TypeError):
+            # what torch refuses to run eagerly here (NotImplementedError is a RuntimeError: no
+            # CPU kernel for the op or dtype; a TypeError: an argument eager torch does not take)
+            # is lowered like any node instead; any other exception is a bug and propagates
             continue
     return values
 

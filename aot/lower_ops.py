@@ -13,7 +13,7 @@ import operator
 import sympy
 import torch
 
-from . import gemm_tiles, linear_groups, shapes, views
+from . import extents, gemm_tiles, linear_groups, views
 from .codegen import attention_plan, gemm_plan
 from .families import (Attention, AttnCombine, Compact, LayerNorm, Matmul, Reduction, Scatter,
                        Softmax, ToExtent)
@@ -21,7 +21,7 @@ from .ir import (EXTENTS, FLOATS, Acc, Buffer, Const, DimMap, Index, Kernel, Loa
                  SymValue, compute_dtype, loads, numel)
 from .lower import LoweringError, as_operand, dtype_name, handles
 from .ops import POINTWISE
-from .shapes import sym_expr
+from .extents import sym_expr
 from .views import TV
 
 aten = torch.ops.aten
@@ -358,7 +358,7 @@ def _index_expr(idx: TV, x: TV, dim: int, L=None, node=None) -> object:
     if entry is not None and len(entry) > 1:
         raise LoweringError("indexing along a dimension that merges dynamic dimensions is not "
                             "supported (index it before the reshape)")
-    true = x.shape[dim] if entry is None else shapes.true_size(entry, 0)
+    true = x.shape[dim] if entry is None else extents.true_size(entry, 0)
     size = Const(true, "int64") if entry is None else SymValue(true)
     e = idx.expr if idx.dtype == "int64" else Op("cast", [idx.expr], "int64")
     neg = Op("lt", [e, Const(0, "int64")], "bool")
@@ -395,7 +395,7 @@ def _compact(L, node, mask: TV) -> TV:
     sym = L.data_symbol(node, bound)
     nd = len(mask.shape)
     buf = L.new_buffer((bound, nd), "int64")
-    ext = (shapes.simple(bound, sym), None)
+    ext = (extents.simple(bound, sym), None)
     return L.emit(Kernel(Compact(src=mask.expr, src_shape=mask.shape, src_ext=mask.ext,
                                  symbol=sym), buf, (bound, nd), Acc("int64"), ext=ext))
 
@@ -414,17 +414,17 @@ def _item(L, node, x):
     if expr is None or x.dtype not in ("int64", "int32", "int16", "int8", "uint8", "bool"):
         raise LoweringError(".item() is only supported as an integer size")
     rng = L.program.range_constraints.get(expr)
-    hi = shapes.range_bound(rng.upper) if rng is not None else None
+    hi = extents.range_bound(rng.upper) if rng is not None else None
     if hi is None:
         raise LoweringError(f"the size {expr} taken from a tensor has no upper bound: add "
                             "torch._check(n <= LIMIT) in the model")
-    lo = max(shapes.range_bound(rng.lower) or 0, 0)
+    lo = max(extents.range_bound(rng.lower) or 0, 0)
     sym = L.data_symbol(node, hi)
     if x.shape:
         x = views.view(x, ())
     L.emit(Kernel(ToExtent(src=x.expr, symbol=sym, lo=lo, hi=hi), EXTENTS, (), Acc("int64")))
     L.item_kernels[sym] = L.kernels[-1]
-    return shapes.SymSize(hi, sym)
+    return extents.SymSize(hi, sym)
 
 
 def _tighten_item_bound(L, end, size: int):
@@ -510,7 +510,7 @@ def _count(x: TV, dims):
     total = 1
     for d in dims:
         e = x.dim_ext(d)
-        total = total * (x.shape[d] if e is None else shapes.true_size(e, x.shape[d]))
+        total = total * (x.shape[d] if e is None else extents.true_size(e, x.shape[d]))
     return total
 
 
@@ -677,7 +677,7 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None, meta=None) -> TV:
     total = Reduction(src=sums.expr, src_shape=(split, batch, m, n), src_ext=sums.ext, rdims=(0,),
                       op="sum", acc_dtype="float32")
     L.emit(Kernel(total, buf, out_shape, epilogue, ext=ext))
-    return views.view(views.contiguous_load(buf, shapes.regroup(out_shape, ext, buf.shape)),
+    return views.view(views.contiguous_load(buf, extents.regroup(out_shape, ext, buf.shape)),
                       shape)
 
 

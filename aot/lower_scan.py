@@ -16,7 +16,7 @@ import operator
 
 import torch
 
-from . import shapes, views
+from . import extents, views
 from .families import Argreduce, Scan, Sort
 from .ir import Acc, DimMap, Kernel, Op, Reindex, compute_dtype, numel
 from .lower import LoweringError, as_operand, handles
@@ -58,7 +58,7 @@ def _arg_index(L, x: TV, dim, op: str, keepdim: bool) -> TV:
     if dim is None:
         rdims = list(range(nd))
         exts = x.exts()
-        if any(e is not None for e in exts[1:]) or not shapes.is_prefix(exts[0]):
+        if any(e is not None for e in exts[1:]) or not extents.is_prefix(exts[0]):
             raise LoweringError("argmax/argmin over a whole tensor with a dynamic dimension other "
                                 "than the first is not supported (flat indices would depend on "
                                 "the true sizes); reduce along a dimension instead")
@@ -177,7 +177,7 @@ def _sort(L, node, x, dim=-1, descending=False, stable=None):
 
 @handles(aten.topk.default)
 def _topk(L, node, x, k, dim=-1, largest=True, sorted=True):
-    if not isinstance(k, int) or shapes.sym_expr(k) is not None:
+    if not isinstance(k, int) or extents.sym_expr(k) is not None:
         raise LoweringError("topk with a dynamic k is not supported")
     if x.shape and not 0 < k <= x.shape[dim % len(x.shape)]:
         raise LoweringError(f"topk: k={k} is out of range")

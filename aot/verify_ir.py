@@ -302,7 +302,7 @@ def _dom_text(dom: tuple) -> str:
 
 
 def _ext_problem(ext, shape, what: str) -> str | None:
-    """`ext` (extents, shapes.py) must have one entry per dim, and each entry's bucket factors
+    """`ext` (extents.py) must have one entry per dim, and each entry's bucket factors
     must multiply to the dim's size."""
     if ext is None:
         return None

@@ -1,6 +1,6 @@
 """The producer versions grace's compiler is pinned to, and the warning when others run it.
 
-A package records the torch and triton that wrote it (manifest `producer`, aot/package.py). The
+A package records the torch and triton that wrote it (manifest `producer`, aot/manifest.py). The
 lowering reads torch.export's graphs, whose op set and metadata change between torch releases, and
 the cubins carry Triton's kernel ABI (hidden arguments, metadata), which changes between Triton
 releases: the compiler is tested with exactly the versions below (pyproject.toml's `aot` extra pins

@@ -6,21 +6,21 @@ reads, user tensors whose strides are only known at run time) keep an explicit `
 `reshape` does the same through torch's own view rules (on meta tensors), falling back to an
 explicit `Reshape` (ravel/unravel in the kernel) where strides cannot express it.
 
-Each view also carries the value's extents along (`TV.ext`, see shapes.py): which elements of the
+Each view also carries the value's extents along (`TV.ext`, see extents.py): which elements of the
 bucket-sized index space are real.
 """
 from __future__ import annotations
 
 import torch
 
-from . import shapes
+from . import extents
 from .ir import (Cat, Const, DimMap, Expr, Index, Load, Op, Reindex, Reshape, contiguous_strides,
                  numel)
 
 
 class TV:
     """A tensor value during lowering: an expression over the index space `shape` (bucket sizes).
-    `ext`: per-dimension extents (shapes.py), or None when every dimension is static."""
+    `ext`: per-dimension extents (extents.py), or None when every dimension is static."""
 
     __slots__ = ("expr", "shape", "ext")
 
@@ -245,14 +245,14 @@ def view(tv: TV, shape) -> TV:
     if -1 in shape:
         known = numel([s for s in shape if s != -1])
         shape[shape.index(-1)] = numel(tv.shape) // known if known else 0
-    ext = shapes.regroup(tv.shape, tv.ext, shape) if tv.ext is not None else None
+    ext = extents.regroup(tv.shape, tv.ext, shape) if tv.ext is not None else None
     return TV(reshape(tv.expr, tv.shape, shape), shape, ext)
 
 
 def cat(tvs: list[TV], dim: int, dtype: str) -> TV:
     dim %= len(tvs[0].shape)
     if any(t.dim_ext(dim) is not None for t in tvs):
-        raise shapes.ShapeError("concatenation along a dynamic dimension is not supported (the "
+        raise extents.ShapeError("concatenation along a dynamic dimension is not supported (the "
                                 "parts' boundaries would move with the true sizes)")
     ext = next((t.ext for t in tvs if t.ext is not None), None)
     tvs = [t for t in tvs if t.shape[dim] > 0]
@@ -278,7 +278,7 @@ def pad(tv: TV, pads, value) -> TV:
         d = ndim - 1 - i
         lo, hi = pads[2 * i], pads[2 * i + 1]
         if tv.dim_ext(d) is not None and (lo or hi):
-            raise shapes.ShapeError("padding a dynamic dimension is not supported")
+            raise extents.ShapeError("padding a dynamic dimension is not supported")
         shape[d] += lo + hi
         maps[d] = DimMap("dim", d, 1, -lo)
     expr = Reindex(tv.expr, maps, bounds=tv.shape, fill=value)

@@ -1,7 +1,9 @@
 """grace.formats: the `.grace` package container (SPEC.md), shared by the compiler and the runtime.
 
-Depends on numpy, msgpack and safetensors only, so the deploy runtime can read packages without
-torch or triton, and the compiler can write them on machines without a GPU.
+Depends on msgpack only (the safetensors layout of the weights is written and parsed
+here, without the library; signing imports `cryptography` only when it signs or checks), so the
+deploy runtime can read packages without torch or triton, and the compiler can write them on
+machines without a GPU.
 
 One module per shared fact: `manifest.validate_manifest` is the one check of a manifest,
 `view` the one typed reading of what it accepted (SPEC defaults filled in), `table` the

@@ -62,8 +62,8 @@ _ENTRY = struct.Struct("<QQ32sH")
 _ENTRY_NBYTES = _ENTRY.size  # 50, followed by the name
 _MAX_NAME = 255
 
-# Section names may become file paths (`grace inspect --extract`), so they must be safe relative
-# paths: a closed alphabet, no empty, "." or ".." components.
+# Section names must be safe relative paths (a tool that writes sections to files cannot escape its
+# directory): a closed alphabet, no empty, "." or ".." components.
 _NAME_RE = re.compile(r"[A-Za-z0-9._+\-]+(/[A-Za-z0-9._+\-]+)*")
 
 assert HEADER_NBYTES == 128

@@ -7,7 +7,7 @@ raised, `hidden_params` lowered, an input's shape narrowed, a node pointed at an
 the same parameter count. Nothing in a 3.3 manifest says what the kernels were built for, so
 nothing could tell these from the truth.
 
-Format 3.4 adds the compiler's records (written by grace.aot.package):
+Format 3.4 adds the compiler's records (written by grace.aot.manifest):
 
     kernels[i].compiled   nparams (the entry point's parameters, hidden ones included), block
                           (threads per block the code was generated for), shared (the dynamic

@@ -369,7 +369,7 @@ def for_arch(manifest, arch: str | None = None) -> Manifest:
     and `generate.decode_graph` the variant's graph of the decode bucket (the bucket of the
     package's `decode_graph`; every arch serves the same buckets, SPEC §3.5). The kernels, their
     indices and every other field are the package's. Choosing a graph (formats.shapes.select_graph,
-    runtime.shapes.ShapePlan) on this view is SPEC §5.1 rule 2 for a GPU of that arch. A view that
+    runtime.calls.ShapePlan) on this view is SPEC §5.1 rule 2 for a GPU of that arch. A view that
     is already a variant's is returned as it is for its own arch; ValueError for an arch the
     package does not list."""
     m = as_view(manifest)

@@ -9,14 +9,14 @@ A package holds one graph per shape bucket (docs/design-buckets.md); each call p
 smallest bucket that fits the input sizes and launches that graph with the true sizes in the table.
 
 The lifecycle, module by module:
-    package.load      read (grace.formats: hashes, schema) -> validate (shapes.ShapePlan: symbols,
+    loader.load       read (grace.formats: hashes, schema) -> validate (calls.ShapePlan: symbols,
                       buckets, shape expressions; graph.plan_graph per graph: every kernel argument
                       inside its region, table consistent) -> device (driver: cuInit, primary context,
                       arch) -> kernels (cuModuleLoadData) -> weights (one allocation, uploaded)
-    Package.session   allocate (arena, table, output buffers for the largest bucket) -> graphs
+    LoadedPackage.session allocate (arena, table, output buffers for the largest bucket) -> graphs
                       (graph.ExecutableGraph: one kernel node per manifest node, explicit, no capture),
                       instantiated on first use or eagerly (load(..., instantiate="eager"))
-    Session.run       validate inputs (validate.check_array, shapes: symbols, ranges, graph choice;
+    Session.run       validate inputs (validate.check_array, calls: symbols, ranges, graph choice;
                       all before any launch) -> table words into the chosen graph's table-writer node
                       (SetParams) -> cuGraphLaunch -> DeviceArrays with the true shapes (arrays)
     state             format 3.0 (docs/design-state.md): each session owns `regions.state` bytes,
@@ -36,7 +36,7 @@ first load(). Without a GPU, load() raises NoDeviceError; use `grace run --inter
 from .arrays import DeviceArray
 from .errors import (GraceRuntimeError, IndexOutOfRangeError, InputError, InvalidPackageError,
                      NoDeviceError, PackageMismatchError, StaleOutputError, UntrustedPackageError)
-from .package import LoadedPackage, TensorSpec, load
+from .loader import LoadedPackage, TensorSpec, load
 from .session import Session
 
 __all__ = [

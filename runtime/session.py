@@ -10,7 +10,7 @@ and weights. Calls on one session are ordered on its stream, so the table and th
 rewritten while an earlier launch may still read them, whichever graph it was.
 
 run(): check every argument (dtype, device, layout), resolve the symbols from the input shapes and
-select the graph (shapes.ShapePlan.prepare; InputError before anything is enqueued) -> copy numpy
+select the graph (calls.ShapePlan.prepare; InputError before anything is enqueued) -> copy numpy
 inputs to staging -> the table words (true sizes, strides and symbol values, cached per size
 combination; this call's data pointers) into the chosen graph's table-writer parameter cells ->
 cuGraphExecKernelNodeSetParams + cuGraphLaunch. Returns DeviceArrays with the true shapes, stale

@@ -1,6 +1,6 @@
 """Pure checks of one array: can it fill a table slot (dtype, device, layout, alignment)? No driver,
 no device: everything here is testable on any machine. Sizes are checked against the package by
-shapes.ShapePlan (inputs: symbols, ranges, static dims) and `check_shape` (out= arrays).
+calls.ShapePlan (inputs: symbols, ranges, static dims) and `check_shape` (out= arrays).
 
 An array arrives as an ArrayRecord (see arrays.as_record): pointer, shape, strides in elements
 (None = C-contiguous), dtype name and device ("cpu" for numpy arrays that will be copied in).

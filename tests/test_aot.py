@@ -185,3 +185,64 @@ def test_dynamic_dims_need_a_bucket_to_lower():
     prog = lower.lower(core, bucket={sym: 32})
     assert prog.inputs[0].shape == (32, 64) and prog.inputs[0].dynamic == (True, False)
     assert all(k.ext is not None and any(k.ext) for k in prog.kernels)
+
+def _labels(model, args, dynamic_shapes=None):
+    """(family, label) of every kernel of every graph, after fusion (nothing built)."""
+    from pathlib import Path
+
+    from grace.aot import compiler
+
+    ep = torch.export.export(model.eval(), args, dynamic_shapes=dynamic_shapes)
+    st = compiler.CompileState(ep, Path("unused.grace"), "m", compiler.CompileOptions())
+    st = compiler.run_pipeline(st, stages=compiler.PIPELINE[:4])   # export .. fuse
+    return {b.name: [(k.family, k.label) for k in b.kernels] for b in st.buckets}
+
+
+def test_kernel_labels_name_the_ops_they_compute():
+    """A realised value is labelled by the node that computed it, not by the consumer that needed
+    it in memory: the rotary embedding of q and k is an `add` (q*cos + rotate_half(q)*sin), not
+    `scaled_dot_product_attention`; labels are the same in every bucket."""
+    torch.manual_seed(0)
+    seq = torch.export.Dim("seq", min=2, max=64)
+    graphs = _labels(models.LlamaBlock(), (torch.randn(1, 32, 64),), ({1: seq},))
+    assert len(graphs) > 1
+    for kernels in graphs.values():
+        pointwise = [label for family, label in kernels if family == "pointwise"]
+        assert not any("scaled_dot_product_attention" in label for label in pointwise), kernels
+        assert all(not label.startswith("mm") for label in pointwise), kernels   # the norms: mul
+        assert [label for family, label in kernels if family == "attention"] == \
+            ["scaled_dot_product_attention"]
+    # the pointwise kernels between the q/k/v projection and attention: the rotary embeddings
+    rotary = set()
+    for kernels in graphs.values():
+        first = next(i for i, (family, _) in enumerate(kernels) if family == "matmul")
+        attn = next(i for i, (family, _) in enumerate(kernels) if family == "attention")
+        rotary |= {label for family, label in kernels[first:attn] if family == "pointwise"}
+    assert rotary and len(rotary) <= 2, graphs   # q's and k's, the same names in every bucket
+    assert all(label.startswith("add") for label in rotary), rotary
+    # a fused copy names no op twice (`mm`, not `mm+mm`)
+    assert all(len(set(label.split("+"))) == len(label.split("+"))
+               for kernels in graphs.values() for _, label in kernels)
+
+
+def test_fold_constants_refuses_only_what_torch_cannot_run():
+    """A node torch cannot evaluate eagerly stays unfolded (it is lowered instead); any other
+    exception while folding is a bug in grace and keeps its traceback."""
+    def no_kernel():
+        raise NotImplementedError("no CPU kernel")   # a RuntimeError
+
+    def bad_args():
+        raise TypeError("argument 'x' must be Tensor")
+
+    def bug():
+        raise KeyError("a bug")
+
+    for fn, raises in ((no_kernel, None), (bad_args, None), (bug, KeyError)):
+        graph = torch.fx.Graph()
+        node = graph.call_function(fn, ())
+        node.meta["val"] = torch.zeros(1)
+        if raises is None:
+            assert lower.fold_constants(graph, {}, {}) == {}
+        else:
+            with pytest.raises(raises):
+                lower.fold_constants(graph, {}, {})

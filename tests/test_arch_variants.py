@@ -89,7 +89,7 @@ def test_the_manifest_records_one_variant_per_target(builds):
     m = read_package(builds["lm"]).manifest
     assert m["format_version"] == [3, 5] and m["archs"] == list(BOTH)
     assert m["options"]["targets"] == [{"archs": ["sm_80"], "pdl": False, "sm_count": 108, "gemm_tiles": None},
-                                       {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": "sm_90"}]
+                                       {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": None}]
     assert [a for a, _ in variants(as_view(m))] == [("sm_80",), ("sm_90",)]
     for arch, pdl, sms in (("sm_80", False, 108), ("sm_90", True, 132)):
         graphs = _graphs_of(m, arch)
@@ -280,7 +280,7 @@ def test_a_gpu_no_variant_fits_is_refused_before_anything_is_allocated(builds, m
 
 def test_shape_plans_need_a_variant(builds):
     from grace.runtime.errors import InvalidPackageError
-    from grace.runtime.shapes import ShapePlan
+    from grace.runtime.calls import ShapePlan
 
     m = read_package(builds["mlp"]).manifest
     with pytest.raises(InvalidPackageError, match=r"several GPU variants \(sm_80; sm_90\)"):
@@ -545,17 +545,14 @@ def test_the_sm_count_of_each_target_decides_its_tile_plans(tmp_path):
 
 
 def test_sm_count_overrides_make_archs_alike(tmp_path):
-    """--sm-count sm_90=108 plans the sm_90 graphs like the A100's: split-K as for 108 SMs, and
-    one set of graphs (a 3.4-shaped package). The two are still two targets, since sm_90 has a
-    measured GEMM tile table and sm_80 none, but with ieee dots the table has no entries to use,
-    so their graphs come out identical and are stored once."""
+    """--sm-count sm_90=108 plans the sm_90 graphs like the A100's: one target, one set of
+    graphs (a 3.4-shaped package), split-K as for 108 SMs."""
     model, x = _split_model()
     path = grace_compile(model, (x,), output=tmp_path / "split.grace", archs=BOTH, fp32_matmul="ieee",
                          sm_count={"sm_90": 108})
     m = read_package(path).manifest
-    assert m["options"]["targets"] == [
-        {"archs": ["sm_80"], "pdl": False, "sm_count": 108, "gemm_tiles": None},
-        {"archs": ["sm_90"], "pdl": False, "sm_count": 108, "gemm_tiles": "sm_90"}]
+    assert m["options"]["targets"] == [{"archs": list(BOTH), "pdl": False, "sm_count": 108,
+                                        "gemm_tiles": None}]
     assert [(g["name"], "archs" in g, _splits(m, g)) for g in m["graphs"]] == [("main", False, [4])]
 
 
@@ -573,7 +570,7 @@ def test_each_target_lowers_with_its_own_sm_count(tmp_path, monkeypatch):
     m = read_package(_compile_mlp(tmp_path / "m.grace", ("sm_80", "sm_90"), True,
                                   sm_count={"sm_90": 114})).manifest
     assert seen == [(108, False)] * 2 + [(114, True)] * 2   # two buckets per target
-    assert m["options"]["targets"][1] == {"archs": ["sm_90"], "pdl": True, "sm_count": 114, "gemm_tiles": "sm_90"}
+    assert m["options"]["targets"][1] == {"archs": ["sm_90"], "pdl": True, "sm_count": 114, "gemm_tiles": None}
     assert {g["compiled"]["target"]["sm_count"] for g in _graphs_of(m, "sm_90")} == {114}
 
 
@@ -581,13 +578,16 @@ def test_compile_options():
     CompileOptions = compiler.CompileOptions
     assert [t.recorded() for t in CompileOptions(archs=BOTH, pdl=True).targets()] == \
         [{"archs": ["sm_80"], "pdl": False, "sm_count": 108, "gemm_tiles": None},
-         {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": "sm_90"}]
+         {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": None}]
     # same pdl, SM count and GEMM tile table: one target
     alike = CompileOptions(archs=("sm_80", "sm_86"), sm_count=(("sm_86", 108),)).targets()
     assert [t.archs for t in alike] == [("sm_80", "sm_86")]
-    # only the tile table differs: two targets
-    tables = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),)).targets()
-    assert [t.archs for t in tables] == [("sm_80",), ("sm_90",)]
+    same = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),)).targets()
+    assert [t.archs for t in same] == [("sm_80", "sm_90")]
+    # with measured GEMM tiles, only sm_90 has a table: two targets
+    tables = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),),
+                            gemm_tiles=True).targets()
+    assert [(t.archs, t.gemm_tiles) for t in tables] == [(("sm_80",), None), (("sm_90",), "sm_90")]
     assert CompileOptions(archs=("sm_87",), sm_count=(("sm_87", 16),)).targets()[0].sm_count == 16
     for kw, message in [
             ({"archs": ("sm_80",), "pdl": True}, "pdl needs sm_90 or newer, but the archs are sm_80"),
@@ -637,8 +637,8 @@ VARIANT_VECTORS = sorted((CONFORMANCE / "variants").glob("*.json"))
 @pytest.mark.parametrize("path", VARIANT_VECTORS, ids=[p.stem for p in VARIANT_VECTORS])
 def test_the_runtime_plans_every_call_of_the_variant_vectors(path):
     from grace.runtime.errors import InputError, PackageMismatchError
-    from grace.runtime.package import pick_arch
-    from grace.runtime.shapes import ShapePlan
+    from grace.runtime.loader import pick_arch
+    from grace.runtime.calls import ShapePlan
 
     vector = json.loads(path.read_text())
     assert vector["schema"] == "grace-conformance-vector/2"

@@ -11,7 +11,7 @@ from torch.export import Dim  # noqa: E402
 
 from grace.aot import check as grace_check  # noqa: E402
 from grace.aot import compile as grace_compile  # noqa: E402
-from grace.aot import shapes  # noqa: E402
+from grace.aot import extents  # noqa: E402
 from grace.aot.lower import LoweringError  # noqa: E402
 from grace.formats import read_package  # noqa: E402
 from grace.tools import models  # noqa: E402
@@ -21,12 +21,12 @@ B = sympy.Symbol("s1", positive=True, integer=True)
 
 
 def test_default_buckets_are_powers_of_two_ending_at_the_max():
-    assert shapes.default_buckets(1, 512) == [1, 16, 32, 64, 128, 256, 512]
-    assert shapes.default_buckets(1, 100) == [1, 16, 32, 64, 100]
-    assert shapes.default_buckets(40, 100) == [64, 100]
-    assert shapes.default_buckets(1, 8) == [1, 8]
-    assert shapes.default_buckets(2, 512) == [16, 32, 64, 128, 256, 512]
-    assert shapes.default_buckets(0, 64) == [16, 32, 64]   # no 1: it would also serve size 0
+    assert extents.default_buckets(1, 512) == [1, 16, 32, 64, 128, 256, 512]
+    assert extents.default_buckets(1, 100) == [1, 16, 32, 64, 100]
+    assert extents.default_buckets(40, 100) == [64, 100]
+    assert extents.default_buckets(1, 8) == [1, 8]
+    assert extents.default_buckets(2, 512) == [16, 32, 64, 128, 256, 512]
+    assert extents.default_buckets(0, 64) == [16, 32, 64]   # no 1: it would also serve size 0
 
 
 def _bound_one_cases():
@@ -52,12 +52,12 @@ def test_common_models_lower_at_a_bucket_of_one(name):
 
 
 def test_bucket_overrides_are_checked():
-    sym = shapes.Symbol("seq", S, 1, 300, ((0, 1),))
-    assert shapes.bucket_lists([sym], {"seq": [64, 512]}) == {"seq": [64, 300]}
-    with pytest.raises(shapes.ShapeError, match="dynamic dimensions are: seq"):
-        shapes.bucket_lists([sym], {"len": [64]})
-    with pytest.raises(shapes.ShapeError, match="below the exported maximum 300"):
-        shapes.bucket_lists([sym], {"seq": [64, 128]})
+    sym = extents.Symbol("seq", S, 1, 300, ((0, 1),))
+    assert extents.bucket_lists([sym], {"seq": [64, 512]}) == {"seq": [64, 300]}
+    with pytest.raises(extents.ShapeError, match="dynamic dimensions are: seq"):
+        extents.bucket_lists([sym], {"len": [64]})
+    with pytest.raises(extents.ShapeError, match="below the exported maximum 300"):
+        extents.bucket_lists([sym], {"seq": [64, 128]})
 
 
 def test_symbol_names_are_the_dims_else_input_dot_dim_in_check_as_in_compile():
@@ -78,9 +78,9 @@ def test_symbol_names_are_the_dims_else_input_dot_dim_in_check_as_in_compile():
 
 
 def test_combinations_are_the_product_of_bucket_lists():
-    a = shapes.Symbol("seq", S, 1, 64, ((0, 1),))
-    b = shapes.Symbol("batch", B, 1, 4, ((0, 0),))
-    combos = shapes.combinations([a, b], {"seq": [32, 64], "batch": [2, 4]})
+    a = extents.Symbol("seq", S, 1, 64, ((0, 1),))
+    b = extents.Symbol("batch", B, 1, 4, ((0, 0),))
+    combos = extents.combinations([a, b], {"seq": [32, 64], "batch": [2, 4]})
     assert combos == [{"seq": 32, "batch": 2}, {"seq": 32, "batch": 4},
                       {"seq": 64, "batch": 2}, {"seq": 64, "batch": 4}]
 
@@ -88,25 +88,25 @@ def test_combinations_are_the_product_of_bucket_lists():
 def test_regroup_keeps_dynamic_factors_whole():
     seq = ((32, S),)
     # [S, 64] -> [S*64]: one dimension, the dynamic factor outermost (a prefix)
-    merged = shapes.regroup((32, 64), (seq, None), (32 * 64,))
+    merged = extents.regroup((32, 64), (seq, None), (32 * 64,))
     assert merged == (((32, S), (64, 64)),)
-    assert shapes.is_prefix(merged[0])
+    assert extents.is_prefix(merged[0])
     # [B, S] -> [B*S]: valid rows are not a prefix, both factors are kept
-    both = shapes.regroup((4, 32), (((4, B),), seq), (128,))
-    assert both == (((4, B), (32, S)),) and not shapes.is_prefix(both[0])
+    both = extents.regroup((4, 32), (((4, B),), seq), (128,))
+    assert both == (((4, B), (32, S)),) and not extents.is_prefix(both[0])
     # and split back
-    assert shapes.regroup((128,), both, (4, 32)) == (((4, B),), seq)
+    assert extents.regroup((128,), both, (4, 32)) == (((4, B),), seq)
     # static factors split freely around it: [S, 64] -> [S, 4, 16]
-    assert shapes.regroup((32, 64), (seq, None), (32, 4, 16)) == (seq, None, None)
-    with pytest.raises(shapes.ShapeError, match="split the dynamic"):
-        shapes.regroup((32, 64), (seq, None), (16, 128))
+    assert extents.regroup((32, 64), (seq, None), (32, 4, 16)) == (seq, None, None)
+    with pytest.raises(extents.ShapeError, match="split the dynamic"):
+        extents.regroup((32, 64), (seq, None), (16, 128))
 
 
 def test_manifest_shape_expressions():
     names = {S: "seq", B: "batch"}
-    assert shapes.to_manifest(S, names) == "seq"
-    assert shapes.to_manifest(S * 64, names) in (["*", 64, "seq"], ["*", "seq", 64])
-    assert shapes.to_manifest(S - 1, names) == ["-", "seq", 1]
+    assert extents.to_manifest(S, names) == "seq"
+    assert extents.to_manifest(S * 64, names) in (["*", 64, "seq"], ["*", "seq", 64])
+    assert extents.to_manifest(S - 1, names) == ["-", "seq", 1]
 
 
 def _compile_llama(tmp_path, **kw):
@@ -215,4 +215,4 @@ def test_layout_dependent_patterns_are_refused(model, args, shapes, message, tmp
 def test_a_view_regrouping_static_dims_next_to_a_dynamic_one():
     seq = ((32, S),)
     # [S, 6, 4] -> [S, 4, 6]: the static run 24 regroups freely
-    assert shapes.regroup((32, 6, 4), (seq, None, None), (32, 4, 6)) == (seq, None, None)
+    assert extents.regroup((32, 6, 4), (seq, None, None), (32, 4, 6)) == (seq, None, None)

@@ -1,5 +1,5 @@
 """Our runtime against the conformance vectors (tests/conformance/*.json, README.md there): for each
-small real package and each call, the shape planner (runtime/shapes.py) must resolve the same
+small real package and each call, the shape planner (runtime/calls.py) must resolve the same
 symbol values, select the same graph, compute the same output shapes and write the same table
 words (laid out by grace.formats.table) as SPEC.md §5.1 says, or refuse the call with the same
 kind of error, before any launch. No GPU: this is the part of a runtime that runs on the host."""
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from grace.formats import as_view, table
-from grace.runtime import shapes
+from grace.runtime import calls
 from grace.runtime.errors import InputError
 
 HERE = Path(__file__).resolve().parent / "conformance"
 VECTORS = sorted(HERE.glob("*.json"))
-# the error kinds of the vectors, and how our runtime words them (runtime/shapes.py)
+# the error kinds of the vectors, and how our runtime words them (runtime/calls.py)
 ERRORS = {"rank": r"rank is \d+", "static_dim": r"expected \[.*\(dim \d+ must be \d+\)",
           "range": r"must be in \[", "sources_disagree": r"both are symbol .* and must be equal",
           "no_graph": r"no graph of this package serves"}
@@ -38,7 +38,7 @@ def _generator():
 def test_runtime_plans_every_call_as_the_vector_says(path):
     vector = _load(path)
     assert vector["schema"] == "grace-conformance-vector/1"
-    plan = shapes.ShapePlan(vector["manifest"])   # validates the manifest first
+    plan = calls.ShapePlan(vector["manifest"])   # validates the manifest first
     facts = vector["table"]
     assert plan.pointer_words == facts["pointer_words"]
     for case in vector["cases"]:

@@ -321,7 +321,7 @@ def test_a_divisor_that_is_zero_at_some_sizes_fails_those_calls(bases):
 
     from grace.formats.view import as_view
     from grace.runtime.errors import InvalidPackageError
-    from grace.runtime.shapes import ShapePlan
+    from grace.runtime.calls import ShapePlan
 
     base = next(b for b in bases if b.path.stem == "mlp_buckets")
     m = copy.deepcopy(base.manifest)

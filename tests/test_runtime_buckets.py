@@ -1,6 +1,6 @@
 """Shape buckets in grace.runtime without a GPU (docs/design-buckets.md, "Runtime rules").
 
-  * runtime/shapes.py on its own: symbol resolution and its errors, graph selection, output shapes,
+  * runtime/calls.py on its own: symbol resolution and its errors, graph selection, output shapes,
     table words (slot words, then symbol words), capacities;
   * load -> session -> run of a bucketed package against test_runtime_nogpu.FakeDriver: which graph
     is instantiated and launched, the words its table writer gets, lazy / eager instantiation, the
@@ -21,7 +21,7 @@ import pytest
 import grace.runtime as rt
 from grace.runtime import driver, graph
 from grace.runtime.errors import InputError, InvalidPackageError, StaleOutputError
-from grace.runtime.shapes import ShapePlan, compile_expr, table_words
+from grace.runtime.calls import ShapePlan, compile_expr, table_words
 
 try:
     from test_runtime_nogpu import CaiArray, FakeDriver, read_params

@@ -3,7 +3,7 @@
 Three layers:
   * import hygiene and the no-device error (what CI sees for real);
   * the pure parts: dtype tables, input validation, table words, arch choice, graph planning, DLPack
-    (the shape-bucket logic, runtime/shapes.py, is tested in test_runtime_buckets.py);
+    (the shape-bucket logic, runtime/calls.py, is tested in test_runtime_buckets.py);
   * the whole load -> session -> run path against FakeDriver, a stand-in for cuda.bindings.driver
     whose "device memory" is host memory and whose graph calls are recorded. It checks what the
     runtime *asks* the driver (kernel parameters, copies, launches); whether the driver does the right
@@ -21,12 +21,12 @@ import numpy as np
 import pytest
 
 import grace.runtime as rt
-from grace.runtime import dlpack, driver, dtypes, graph, shapes, validate
+from grace.runtime import calls, dlpack, driver, dtypes, graph, validate
 from grace.runtime.arrays import DeviceArray, as_record
 from grace.formats import ManifestError
 from grace.runtime.errors import (InputError, InvalidPackageError, NoDeviceError, PackageMismatchError,
                                   StaleOutputError)
-from grace.runtime.package import pick_arch
+from grace.runtime.loader import pick_arch
 from grace.runtime.validate import ArrayRecord
 
 # ---------------------------------------------------------------------------- a tiny package
@@ -203,8 +203,8 @@ def test_check_shape_for_out_arrays():
 
 def test_table_words():
     assert validate.contiguous_strides((2, 3, 4)) == (12, 4, 1)
-    assert shapes.table_words([100, 200, 300], [(2, 3), (5,), ()]) == [100, 2, 3, 3, 1, 200, 5, 1, 300]
-    assert shapes.table_words([100], [(2, 3)], [7, 0]) == [100, 2, 3, 3, 1, 7, 0]  # symbol words last
+    assert calls.table_words([100, 200, 300], [(2, 3), (5,), ()]) == [100, 2, 3, 3, 1, 200, 5, 1, 300]
+    assert calls.table_words([100], [(2, 3)], [7, 0]) == [100, 2, 3, 3, 1, 7, 0]  # symbol words last
 
 
 # ---------------------------------------------------------------------------- arrays in

@@ -17,7 +17,7 @@ import pytest
 
 import grace.runtime as rt
 from grace.formats import ManifestError, as_view, read_package, table, validate_manifest, write_package
-from grace.runtime import driver, shapes
+from grace.runtime import calls, driver
 
 try:
     from test_runtime_nogpu import N_WORDS, ROWS, COLS, FakeDriver, read_params
@@ -86,7 +86,7 @@ def test_the_view_locates_every_word():
     assert [s.words for s in view.table.slots] == [table.slot_words(r) for r in ranks]
     assert view.table.extents_first_word == table.word_count(ranks)
     assert view.table.words == table.word_count(ranks, len(m["symbols"])) == 32
-    plan = shapes.ShapePlan(view)
+    plan = calls.ShapePlan(view)
     assert plan.pointer_words == table.first_words(ranks)
     values = plan.resolve([(3, 50, 4), (3, 3)])
     assert len(plan.prepare([(3, 50, 4), (3, 3)]).words) == view.table.words

@@ -461,6 +461,8 @@ def cmd_compile(args) -> int:
         extra["generate"] = generate
     if args.pdl:
         extra["pdl"] = True
+    if args.gemm_tiles:
+        extra["gemm_tiles"] = True
     if sm_count:
         extra["sm_count"] = sm_count
     try:
@@ -928,9 +930,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--pdl", action="store_true",
                    help="programmatic dependent launch between kernels, in the graphs of the sm_90+ archs "
                         "(docs/design-pdl.md); archs before sm_90 get graphs without it (an error when no "
-                        "arch is sm_90+). Off by default: so far it measured slower on the H200 "
-                        "(docs/performance.md); grace.runtime.load(path, pdl=False) runs such a package with "
-                        "full edges, for A/B")
+                        "arch is sm_90+). Off by default; on the H200 it made MobileBERT 24%% and "
+                        "EfficientNet-B0 11%% faster, ViT-S and GPT-2 about the same (docs/performance.md); "
+                        "grace.runtime.load(path, pdl=False) runs such a package with full edges, for A/B")
+    c.add_argument("--gemm-tiles", action="store_true",
+                   help="tile GEMMs of 128 rows or more from the arch's measured table (aot/gemm_tiles/, "
+                        "made by python -m grace.tools.gemm_sweep on that GPU); off by default: on the H200 "
+                        "it made ViT-S and ResNet-50 slower so far (docs/performance.md)")
     c.add_argument("--sm-count", action="append", metavar="SM=N[,SM=N...]",
                    help="the multiprocessor count to plan an arch's tiles (split-K, attention splits) for, "
                         "for a part other than the default one: sm_80 108 (A100), sm_86 84, sm_89 128 (RTX "

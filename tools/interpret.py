@@ -1,7 +1,7 @@
 """CPU reference executor: run a package's own kernels with Triton's interpreter.
 
 `run_package` executes exactly what the GPU runtime would, on the CPU: the same choice of graph
-(grace.runtime.shapes: symbols resolved from the input shapes, the smallest bucket that fits), the
+(grace.runtime.calls: symbols resolved from the input shapes, the smallest bucket that fits), the
 same memory plan (one byte tensor per region; the arena sized by the graph's own `arena`), the same
 argument table (written by the package's own table-writer kernel, node 0), and every node of that
 graph in order with its recorded grid and arguments. Region arguments become typed views into the
@@ -411,7 +411,7 @@ def table_words(manifest, buffers: Mapping[str, Any], values=None) -> list[int]:
     sizes); `values` are the symbol words (default: all 0).
     """
     from grace.formats.view import as_view
-    from grace.runtime.shapes import table_words as words_of
+    from grace.runtime.calls import table_words as words_of
 
     m = as_view(manifest)
     tensors = [buffers[slot.name] for slot in m.table.slots]
@@ -606,7 +606,7 @@ class InterpretSession:
     def __init__(self, package_or_path, poison: bool = True, max_host_nbytes: int | None = None,
                  trusted_keys=None, arch: str | None = None, progress=False):
         import torch
-        from grace.runtime.shapes import ShapePlan
+        from grace.runtime.calls import ShapePlan
 
         self.package = _open(package_or_path, trusted_keys)
         self.manifest = self.package.manifest

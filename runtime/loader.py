@@ -5,7 +5,7 @@
               schema and every cross-reference. That is the package's only check: the runtime
               reads the manifest through grace.formats.view and refuses only what it cannot run
               (kernels that need Triton scratch memory, a GPU no binary is built for)
-    plan      symbols, buckets and shape expressions (shapes.ShapePlan); every graph's nodes as
+    plan      symbols, buckets and shape expressions (calls.ShapePlan); every graph's nodes as
               kernel launches (graph.plan_graph)
     device    cuInit, primary context; the GPU's compute capability picks one of the package's archs
               (SPEC §5.1: exact, else sm_XYa, else the newest earlier minor of its major), and with
@@ -41,7 +41,7 @@ from .driver import call
 from .checks import plan_index_checks
 from .errors import GraceRuntimeError, InvalidPackageError, PackageMismatchError
 from .generate import SET_CONDITION_NAME, SET_CONDITION_PTX, GeneratePlan
-from .shapes import ShapePlan
+from .calls import ShapePlan
 from .state import plan_state
 from .upload import upload
 

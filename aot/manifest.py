@@ -1,4 +1,5 @@
-"""Stage 7: everything the runtime needs, as one manifest plus sections (formats/ writes the file).
+"""The `package` stage (the last of compiler.PIPELINE): everything the runtime needs, as one
+manifest plus sections (formats/ writes the file).
 
 One graph per bucket. A graph's node 0 is the table writer; kernel node j+1 is kernel j of its
 schedule. A kernel argument is a byte range of a region (weights, arena, the table slot of an I/O
@@ -33,7 +34,7 @@ from grace.formats import table
 from .codegen import KernelSource
 from .ir import Buffer, Program
 from .memplan import MemoryPlan
-from .shapes import sym_expr, to_manifest
+from .extents import sym_expr, to_manifest
 
 HIDDEN_PARAMS = 2   # Triton 3.6 appends global and profile scratch pointers to every entry point
 
