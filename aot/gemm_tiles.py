@@ -11,6 +11,13 @@ grid of (M, N, K). A GEMM takes the entry of the nearest grid point (distance in
 extent); an arch without a table, or a kind the sweep did not time (fp32 with "ieee" dots), keeps
 the heuristic. The grid spans 128..1024 rows and 128..3072 columns; beyond it the nearest corner
 is used, which still beats the heuristic's choice there (the largest shapes of the sweep).
+
+Opt-in (`gemm_tiles=True`, `grace compile --gemm-tiles`): on whole models the table lost on the
+H200 (ViT-S 0.602 -> 0.686 ms, ResNet-50 0.475 -> 0.622, EfficientNet-B0 0.356 -> 0.385;
+docs/performance.md, sixth session). The sweep times a mirror of the template, not the generated
+kernels (whose A loads go through the expression emitter, and convolutions' through an im2col
+gather), so its winners do not carry over; the next table should be measured on generated
+kernels.
 """
 from __future__ import annotations
 

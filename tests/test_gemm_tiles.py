@@ -92,7 +92,8 @@ def test_lowering_plans_big_gemms_by_the_table_and_codegen_launches_its_warps_an
 
 
 def test_an_sm90_package_uses_the_table_and_computes_what_eager_does(tmp_path):
-    """Through the compiler: the sm_90 target reads the sm_90 table (recorded in options.targets),
+    """Through the compiler, with gemm_tiles=True (off by default: docs/performance.md, sixth
+    session): the sm_90 target reads the sm_90 table (recorded in options.targets),
     the 256-row GEMM launches the table's warps and stages, and the results match eager."""
     import numpy as np
 
@@ -103,7 +104,8 @@ def test_an_sm90_package_uses_the_table_and_computes_what_eager_does(tmp_path):
     torch.manual_seed(0)
     model = _TwoLinears().eval()
     x, y = torch.randn(256, 384), torch.randn(64, 384)
-    path = grace_compile(model, (x, y), output=tmp_path / "m.grace", fp32_matmul="tf32")
+    path = grace_compile(model, (x, y), output=tmp_path / "m.grace", fp32_matmul="tf32",
+                         gemm_tiles=True)
     manifest = read_package(path).manifest
     assert [t["gemm_tiles"] for t in manifest["options"]["targets"]] == ["sm_90"]
     tile = _entry("tf32", 256, 1024, 384)
@@ -115,3 +117,14 @@ def test_an_sm90_package_uses_the_table_and_computes_what_eager_does(tmp_path):
         want = model(x, y)
     for g, w in zip(got.values(), want):
         np.testing.assert_allclose(g, w.numpy(), rtol=2e-2, atol=2e-2)   # tf32 dots
+
+
+def test_the_table_is_off_by_default(tmp_path):
+    from grace.aot import compile as grace_compile
+    from grace.formats import read_package
+
+    path = grace_compile(_TwoLinears().eval(), (torch.randn(256, 384), torch.randn(64, 384)),
+                         output=tmp_path / "m.grace", fp32_matmul="tf32")
+    manifest = read_package(path).manifest
+    assert [t["gemm_tiles"] for t in manifest["options"]["targets"]] == [None]
+    assert {k["num_stages"] for k in manifest["kernels"] if k["family"] == "matmul"} == {3}
