@@ -1,4 +1,4 @@
-"""Stage 5: kernel IR → Triton source, one template per kernel family.
+"""Stage `codegen` (compiler.PIPELINE): kernel IR → Triton source, one template per kernel family.
 
 Each template fixes the index variables and the loop structure, and lets `ExprEmitter` fill in
 the operands (prologues) and the stored value (epilogue). Sizes are literals in the source, so

@@ -1,4 +1,4 @@
-"""Stage 1: torch.export and decomposition to core ATen.
+"""Stage `export` (compiler.PIPELINE): torch.export and decomposition to core ATen.
 
 We keep `scaled_dot_product_attention` whole (the default table would decompose it into a
 bmm/softmax/bmm chain), because attention lowers to one flash-style kernel.

@@ -1,4 +1,4 @@
-"""Stage 3: epilogue fusion.
+"""Stage `fuse` (compiler.PIPELINE): epilogue fusion.
 
 Prologue fusion happens during lowering (pointwise expressions are evaluated inside whichever
 kernel reads them). What is left are pointwise kernels that read the *result* of an earlier

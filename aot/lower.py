@@ -1,4 +1,4 @@
-"""Stage 2: core-ATen FX graph → kernel IR.
+"""Stage `lower` (compiler.PIPELINE): core-ATen FX graph → kernel IR.
 
 One handler per ATen op (see `lower_ops.py`). Pointwise ops and views produce lazy expressions
 (`views.TV`); ops that need memory — reductions, GEMMs, attention, graph outputs, values read by

@@ -1,4 +1,4 @@
-"""Stage 4: the static memory plan and the graph's dependency edges.
+"""Stage `memplan` (compiler.PIPELINE): the static memory plan and the graph's dependency edges.
 
 Intermediates share one arena. A buffer is live from the kernel that writes it to the last kernel
 that reads it; offsets are assigned greedily, largest first, at the lowest address that no
