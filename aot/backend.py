@@ -100,7 +100,8 @@ class BackendOptions:
     buckets        {"x.1": [64, 256, 1024]}: bucket bounds of a dynamic dim, named `<input>.<dim>`
                    after any input/dim that has that size (the same as `grace compile --buckets`)
     fp32_matmul    "tf32x3" (default) | "tf32" | "ieee": grace.aot.compile's fp32_matmul
-    pdl            programmatic dependent launch (sm_90+), as grace.aot.compile(pdl=)
+    pdl            programmatic dependent launch (sm_90+), as grace.aot.compile(pdl=): default
+                   on wherever the arch has it, False turns it off
     archs          ["sm_90", ...]; default: the GPU's own arch (CUDA inputs), sm_90 otherwise
     max_size       bound of a dynamic dim that Dynamo left unbounded (default 1024)
     cache_dir      where the packages are written (kept); default: a temporary directory
@@ -112,7 +113,7 @@ class BackendOptions:
     """
     buckets: tuple = ()
     fp32_matmul: str | None = None
-    pdl: bool = False
+    pdl: bool | None = None
     archs: tuple | None = None
     max_size: int = DEFAULT_MAX_SIZE
     cache_dir: str | None = None

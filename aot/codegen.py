@@ -39,9 +39,6 @@ class KernelSource:
     num_warps: int
     num_stages: int
     writes: list = field(default_factory=list)   # indices of the parameters it stores through
-    # PDL: the kernel loads weights before its gdc_wait(), so launching it early overlaps work
-    # (only such kernels are the targets of programmatic edges: aot/manifest.py)
-    prefetches: bool = False
 
 
 def stored_params(text: str) -> list[int]:
@@ -86,7 +83,7 @@ def _generate(kernel: Kernel, symbols, pdl: bool, prefetch: bool) -> KernelSourc
     name = f"{kernel.family}_{digest}"
     return KernelSource(name, kernel.family, text.replace("def KERNEL(", f"def {name}("),
                         w.param_types(), list(w.params), grid, num_warps, num_stages,
-                        stored_params(text), pdl and bool(w.pre_wait))
+                        stored_params(text))
 
 
 def _store(w: Writer, kernel: Kernel, value: str, ctx: Ctx, shape_expr: str):
@@ -427,10 +424,8 @@ def matmul(kernel: Kernel, w: Writer):
     tl_dot = TL_TYPE[dot_t]
     # With PDL the first K step's weight tiles are loaded before gdc_wait(), while the kernels
     # before this one finish (the weight operand of a linear layer: docs/design-pdl.md).
-    # Only for a few rows, where streaming the weights is the work (PDL_PREFETCH_MAX_M).
     operands = {"a": spec.a, "b": spec.b}
-    early = [op for op in operands if w.prefetch and not skip_k and _weights_only(operands[op])
-             and m <= PDL_PREFETCH_MAX_M]
+    early = [op for op in operands if w.prefetch and not skip_k and _weights_only(operands[op])]
 
     def ids():
         w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
@@ -595,11 +590,6 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
 
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
-# PDL: GEMMs of at most this many rows load their first weight tile before gdc_wait() and so are
-# the targets of programmatic edges. Measured on the H200 (docs/performance.md, sixth session):
-# programmatic edges into MobileBERT's M=128 GEMMs made it 23% faster, into GPT-2's M=32 ones
-# neutral, into ViT-S's M=197 ones 16% slower (the kernels themselves cost the same either way).
-PDL_PREFETCH_MAX_M = 128
 
 
 def _weights_only(expr) -> bool:

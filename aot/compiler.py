@@ -55,10 +55,11 @@ class CompileOptions:
     # a causal LM for generate(): (("tokens", NAME), ("positions", NAME), ("logits", NAME)?,
     # ("capacity", N)?) — docs/design-state.md
     generate: tuple = ()
-    # programmatic dependent launch (docs/design-pdl.md). Applied to the sm_90+ archs; the others
-    # get graphs without it (format 3.5 variants). Off by default: on the H200 it made MobileBERT
-    # 24% faster and the 1B decode token 4%, but ResNet-50 4% slower (docs/performance.md).
-    pdl: bool = False
+    # programmatic dependent launch (docs/design-pdl.md) for the sm_90+ archs; the others get
+    # graphs without it (format 3.5 variants). None (the default): on wherever the arch has it;
+    # True: on, and an error when no arch has it; False: off. On the H200 it made every model
+    # measured 3-18% faster (docs/performance.md, seventh session).
+    pdl: bool | None = None
     # multiprocessor counts per arch for another part than formats.archs.SM_COUNTS's:
     # (("sm_90", 114),) for an H100 PCIe. The tile plans (split-K, attention splits) fill this many.
     sm_count: tuple = ()
@@ -87,7 +88,7 @@ class CompileOptions:
                              "names)")
         # griddepcontrol does not exist before sm_90 (ptxas rejects it): pdl applies to the sm_90+
         # archs, and needs one
-        if self.pdl and not any(arch_rules.supports_pdl(a) for a in self.archs):
+        if self.pdl is True and not any(arch_rules.supports_pdl(a) for a in self.archs):
             raise ValueError(f"pdl needs sm_90 or newer, but the archs are {', '.join(self.archs)}; "
                              "add one (--arch sm_90) or leave pdl off")
         counts = dict(self.sm_count)
@@ -107,20 +108,21 @@ class CompileOptions:
         counts = dict(self.sm_count)
         groups: dict[tuple, list] = {}
         for arch in self.archs:
-            key = (self.pdl and arch_rules.supports_pdl(arch), arch_rules.sm_count(arch, counts),
+            key = (self.pdl is not False and arch_rules.supports_pdl(arch), arch_rules.sm_count(arch, counts),
                    gemm_tiles.table_arch(arch) if self.gemm_tiles else None)
             groups.setdefault(key, []).append(arch)
         return [Target(tuple(a), pdl, n, tiles) for (pdl, n, tiles), a in groups.items()]
 
     def recorded(self) -> dict:
         """The options the manifest records (informative, SPEC §3) and the lowering reads:
-        archs, fp32_matmul, pdl as asked, and `targets`, what each group of archs was compiled
-        for ([{archs, pdl, sm_count}], format 3.5)."""
+        archs, fp32_matmul, pdl (whether any target has it), and `targets`, what each group of
+        archs was compiled for ([{archs, pdl, sm_count}], format 3.5)."""
         d = asdict(self)
         for key in ("progress", "jobs", "buckets", "generate", "sm_count", "gemm_tiles"):
             d.pop(key)
         d["archs"] = list(self.archs)
         d["targets"] = [t.recorded() for t in self.targets()]
+        d["pdl"] = any(t["pdl"] for t in d["targets"])
         return d
 
 
@@ -128,7 +130,7 @@ class CompileOptions:
 class Target:
     """One compile target (a variant of format 3.5): the archs compiled alike."""
     archs: tuple
-    pdl: bool          # kernels wait (gdc) and edges into prefetching kernels are programmatic
+    pdl: bool          # kernels wait (gdc) and kernel -> kernel edges are programmatic
     sm_count: int      # the multiprocessors the tile plans fill
     gemm_tiles: str | None = None   # the arch whose measured GEMM tiles it uses (gemm_tiles.py)
 
@@ -154,7 +156,7 @@ class CompileReport:
 
 def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90",),  # noqa: A001
             name=None, progress=False, fp32_matmul=None, jobs=None, dynamic_shapes=None,
-            buckets=None, generate=None, pdl=False, sm_count=None, gemm_tiles=False) -> Path:
+            buckets=None, generate=None, pdl=None, sm_count=None, gemm_tiles=False) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
     `example_inputs` (positional) and `kwargs` (keyword example inputs) go to torch.export as its
@@ -168,9 +170,11 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     `{"seq": [64, 128, 512]}`. `generate={"tokens": "idx", "positions": "input_pos"}` marks a
     causal LM for `Session.generate` (optional "logits": an output name, default the first;
     "capacity": cache positions, default the size of the state dimension `positions` indexes).
-    `pdl=True`: programmatic edges between kernels (docs/design-pdl.md) in the graphs for the
-    sm_90+ archs; archs before sm_90 get graphs without them. Off by default: faster on most
-    models measured on the H200, slower on ResNet-50 (docs/performance.md, docs/design-pdl.md).
+    `pdl`: programmatic edges between kernels (docs/design-pdl.md) in the graphs for the sm_90+
+    archs, which archs before sm_90 get without. None (default): wherever the arch has them
+    (3-18% faster on every model measured on the H200, docs/performance.md); True: the same, but
+    an error when no arch has them; False: off (`grace.runtime.load(path, pdl=False)` also runs a
+    PDL package with full edges, for A/B runs).
     `archs` with different settings (pdl on sm_90 but not sm_80, or different SM counts) make one
     package with per-arch variants (format 3.5): each target is lowered and generated on its own
     (compile time grows with the number of targets), the runtime runs the variant of its GPU.
@@ -185,7 +189,7 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     options = CompileOptions(tuple(archs), fp32_matmul or lower.DEFAULT_OPTIONS["fp32_matmul"],
                              jobs, progress,
                              tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()),
-                             tuple((generate or {}).items()), bool(pdl),
+                             tuple((generate or {}).items()), pdl if pdl is None else bool(pdl),
                              tuple((str(k), v) for k, v in (sm_count or {}).items()),
                              bool(gemm_tiles))
     dim_names = None

@@ -259,11 +259,12 @@ def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, exten
         node = {"kernel": unique[src.name], "grid": list(src.grid),
                 "args": [_arg(b, g.plan, slots, extents, errors) for b in src.buffers],
                 "deps": node_deps, "label": kernel.label}
-        # Programmatic only into a kernel that has weight loads to run before its wait: one that
-        # would wait at once gains nothing from launching early and parks CTAs on multiprocessors
-        # the kernel before it still needs (measured: every encoder got slower, design-pdl.md).
-        # Kernel -> kernel edges only; the table writer's (node 0) stay full (SPEC §5).
-        programmatic = [d for d in node_deps if d != 0] if pdl and src.prefetches else []
+        # With PDL every kernel -> kernel edge is programmatic: each kernel launches while the one
+        # before it finishes, and the runtime caps its blocks per multiprocessor at one wave of
+        # its grid so that early blocks do not pile up on the few multiprocessors free at that
+        # moment (runtime/occupancy.py; docs/design-pdl.md has the measurements). The table
+        # writer's edges (node 0) stay full (SPEC §5.3).
+        programmatic = [d for d in node_deps if d != 0] if pdl else []
         if programmatic:
             node["programmatic"] = programmatic
         uses.setdefault(node["kernel"], []).append(

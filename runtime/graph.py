@@ -61,6 +61,11 @@ class NodePlan:
         self.deps = deps        # indices of earlier nodes
         self.programmatic = programmatic   # the deps whose edges may be programmatic (SPEC §5.3)
 
+    def with_shared(self, shared: int) -> "NodePlan":
+        """The same launch with `shared` bytes of dynamic shared memory (runtime/occupancy.py)."""
+        return NodePlan(self.index, self.where, self.kernel, self.grid, self.block, shared, self.args,
+                        self.deps, self.programmatic)
+
 
 def table_word_count(manifest) -> int:
     """The table words of a validated manifest dict: the slots' words, then one per symbol."""

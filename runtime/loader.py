@@ -15,7 +15,8 @@
               nodes touching overlapping bytes, one writing, is ordered by edges (InvalidPackageError)
     kernels   cuModuleLoadData + cuModuleGetFunction per kernel, each checked against its binary
               (abi.py: parameter count and sizes, threads per block, static + dynamic shared
-              memory; KernelMismatchError); opt in to >48 KiB shared memory
+              memory; KernelMismatchError); opt in to >48 KiB shared memory; with programmatic
+              edges, each target's launch capped at one wave of its grid (occupancy.py)
     weights   one cuMemAlloc for the weights region; each tensor copied to base + offset from the
               mapped file, its pages registered (pinned) for the copies (upload.py)
     state     the `state` entries and their initial bytes, decoded once (state.plan_state); every
@@ -36,7 +37,7 @@ import weakref
 from grace.formats import archs as arch_rules
 from grace.formats.view import TensorSpec, for_arch, variants
 
-from . import abi, driver, graph
+from . import abi, driver, graph, occupancy
 from .driver import call
 from .checks import plan_index_checks
 from .errors import GraceRuntimeError, InvalidPackageError, PackageMismatchError
@@ -158,6 +159,8 @@ class LoadedPackage:
             self.graph_names = self.shapes.graph_names
             t0 = time.perf_counter()
             self._load_kernels(package)
+            if self.pdl:
+                self._cap_programmatic_waves()
             t1 = time.perf_counter()
             self._upload_weights(package)
             self.load_stats.update(kernels_s=t1 - t0, weights_s=time.perf_counter() - t1)
@@ -197,6 +200,21 @@ class LoadedPackage:
                 call(cu.cuFuncSetAttribute, function,
                      cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, kernel.shared)
             self.functions.append(function)
+
+    def _cap_programmatic_waves(self) -> None:
+        """Launch every programmatic-edge target one wave wide on this GPU (runtime/occupancy.py):
+        the nodes get the extra dynamic shared memory, their functions the opt-in for it."""
+        cu = driver.cuda()
+        limits = occupancy.device_limits(cu, self.device.handle)
+        self.plans = [occupancy.cap_programmatic(plans, limits) for plans in self.plans]
+        need = {}
+        for plans in self.plans:
+            for plan in plans:
+                need[plan.kernel] = max(need.get(plan.kernel, 0), plan.shared)
+        for k, shared in need.items():
+            if shared > max(self.view.kernels[k].shared, _DEFAULT_SHARED_LIMIT):
+                call(cu.cuFuncSetAttribute, self.functions[k],
+                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared)
 
     def _shared_limit(self, cu) -> int:
         """This GPU's opt-in shared memory per block (CU_DEVICE_ATTRIBUTE_..._OPTIN)."""

@@ -536,7 +536,7 @@ def test_the_sm_count_of_each_target_decides_its_tile_plans(tmp_path):
     m = read_package(path).manifest
     assert [(g["name"], _splits(m, g), g["compiled"]["target"]) for g in m["graphs"]] == \
         [("main@sm_80", [4], {"pdl": False, "sm_count": 108}),
-         ("main@sm_90", [8], {"pdl": False, "sm_count": 132})]
+         ("main@sm_90", [8], {"pdl": True, "sm_count": 132})]
     with torch.no_grad():
         want = model(x).numpy()
     for arch in BOTH:
@@ -549,7 +549,7 @@ def test_sm_count_overrides_make_archs_alike(tmp_path):
     graphs (a 3.4-shaped package), split-K as for 108 SMs."""
     model, x = _split_model()
     path = grace_compile(model, (x,), output=tmp_path / "split.grace", archs=BOTH, fp32_matmul="ieee",
-                         sm_count={"sm_90": 108})
+                         sm_count={"sm_90": 108}, pdl=False)
     m = read_package(path).manifest
     assert m["options"]["targets"] == [{"archs": list(BOTH), "pdl": False, "sm_count": 108,
                                         "gemm_tiles": None}]
@@ -582,11 +582,15 @@ def test_compile_options():
     # same pdl, SM count and GEMM tile table: one target
     alike = CompileOptions(archs=("sm_80", "sm_86"), sm_count=(("sm_86", 108),)).targets()
     assert [t.archs for t in alike] == [("sm_80", "sm_86")]
-    same = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),)).targets()
+    same = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),), pdl=False).targets()
     assert [t.archs for t in same] == [("sm_80", "sm_90")]
+    # pdl by default: on for the sm_90+ archs, so sm_80 and sm_90 differ even at one SM count
+    default = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),)).targets()
+    assert [(t.archs, t.pdl) for t in default] == [(("sm_80",), False), (("sm_90",), True)]
+    assert CompileOptions(archs=("sm_80",)).targets()[0].pdl is False   # no error: nothing to turn on
     # with measured GEMM tiles, only sm_90 has a table: two targets
     tables = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),),
-                            gemm_tiles=True).targets()
+                            gemm_tiles=True, pdl=False).targets()
     assert [(t.archs, t.gemm_tiles) for t in tables] == [(("sm_80",), None), (("sm_90",), "sm_90")]
     assert CompileOptions(archs=("sm_87",), sm_count=(("sm_87", 16),)).targets()[0].sm_count == 16
     for kw, message in [

@@ -10,8 +10,9 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
   grace run()      Session.run() per token on device tensors, argmax by torch
   grace generate() Session.generate(): prefill, then every decode step inside one CUDA graph
                    WHILE loop; per token = (time for N+1 tokens - time for 1 token) / N
-  ... PDL          the same model compiled with pdl=True (docs/design-pdl.md): programmatic
-                   edges; "PDL build, full edges" loads that package with load(pdl=False)
+  ... no PDL       the same model compiled with pdl=False (grace's default has programmatic
+                   edges, docs/design-pdl.md); "full edges" loads the default package with
+                   load(pdl=False): the same kernels, every edge a full one
 Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes). The HBM
 fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
 positions up to the current one) / time / 4.3 TB/s (the copy rate measured on the H200).
@@ -202,21 +203,23 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
     measure_grace(pkg)
     pkg.close()
     if pdl_ab:
-        # the same model compiled with programmatic edges (docs/design-pdl.md), run with them
-        # and, the same package, with them built as full edges (load(pdl=False))
+        # the default package with its programmatic edges built as full ones (load(pdl=False)),
+        # then the same model compiled without PDL (docs/design-pdl.md)
+        full = load(path, instantiate="eager", pdl=False)
+        measure_grace(full, " full edges")
+        full.close()
         t0 = time.perf_counter()
-        pdl_path = workdir / f"decode-{shape}-pdl.grace"
+        plain_path = workdir / f"decode-{shape}-no-pdl.grace"
         grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
-                          output=pdl_path, progress=False,
+                          output=plain_path, progress=False,
                           dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
                           buckets={"seq": [1, min(1024, max_seq)]},
-                          generate={"tokens": "idx", "positions": "input_pos"}, pdl=True)
+                          generate={"tokens": "idx", "positions": "input_pos"}, pdl=False)
         model.cuda()
-        res["grace_pdl_compile_s"] = time.perf_counter() - t0
-        for suffix, edges in ((" PDL", True), (" PDL build, full edges", False)):
-            other = load(pdl_path, instantiate="eager", pdl=edges)
-            measure_grace(other, suffix)
-            other.close()
+        res["grace_no_pdl_compile_s"] = time.perf_counter() - t0
+        plain = load(plain_path, instantiate="eager")
+        measure_grace(plain, " no PDL")
+        plain.close()
     res["hbm_fraction"] = {k: need / (v * 1e-3) / COPY_RATE for k, v in res["ms_per_token"].items()}
     res["grace_graphs"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                            for g in pkg.manifest["graphs"]]
@@ -234,7 +237,7 @@ def format_table(res) -> str:
         ratio = f"{v / ro:7.2f}" if ro else "      -"
         lines.append(f"{k:<18} {v:9.3f} {res['hbm_fraction'][k]:6.1%} {ratio}")
     lines.append(f"grace tokens equal to eager: {res.get('grace_tokens_equal_eager')}/{res['steps']} "
-                 f"(PDL: {res.get('grace_tokens_equal_eager PDL', '-')}); "
+                 f"(no PDL: {res.get('grace_tokens_equal_eager no PDL', '-')}); "
                  f"compile {res.get('grace_compile_s', 0):.0f} s, load {res.get('grace_load_s', 0):.2f} s")
     for k, e in res["errors"].items():
         lines.append(f"error {k}: {e[:200]}")
@@ -251,7 +254,7 @@ def main(argv=None):
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", help="write the results as JSON")
     ap.add_argument("--no-pdl-ab", action="store_true",
-                    help="skip the grace runs of a second package compiled with pdl=True")
+                    help="skip the A/B runs: the package with full edges, and one compiled with pdl=False")
     a = ap.parse_args(argv)
     res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out, not a.no_pdl_ab)
     print(format_table(res))

@@ -231,16 +231,16 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("
         key = "grace" if prec == precisions[0] else f"grace[{prec}]"
         _bench_grace(result, key, model, x, workdir / f"{name}-{prec}.grace", prec,
                      iters, repeats, warmup)
-    if pdl_ab:   # the same model and precision with programmatic dependent launch
-        _bench_grace(result, "grace[pdl]", model, x, workdir / f"{name}-pdl.grace", precisions[0],
-                     iters, repeats, warmup, pdl=True)
+    if pdl_ab:   # the same model and precision without programmatic dependent launch
+        _bench_grace(result, "grace[no-pdl]", model, x, workdir / f"{name}-no-pdl.grace", precisions[0],
+                     iters, repeats, warmup, pdl=False)
     if backend_ab:   # the same pipeline behind torch.compile (aot/backend.py)
         _bench_backend(result, model, x, precisions[0], iters, repeats, warmup)
     result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
     return result
 
 
-def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup, pdl=False):
+def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup, pdl=None):
     import torch
 
     from grace.aot import compile as grace_compile
@@ -718,8 +718,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated grace precisions to time (the first is 'grace'; the "
                          "dynamic workload uses the first only)")
     ap.add_argument("--pdl-ab", action="store_true",
-                    help="static workloads: also time grace[pdl], the same model compiled with "
-                         "programmatic dependent launch (pdl=True)")
+                    help="static workloads: also time grace[no-pdl], the same model compiled "
+                         "without programmatic dependent launch (pdl=False; 'grace' has it)")
     ap.add_argument("--backend-ab", action="store_true",
                     help=f"also time {BACKEND}: torch.compile(model, backend=\"grace\"), grace's "
                          "pipeline behind Dynamo (static and dynamic workloads)")

@@ -449,7 +449,7 @@ def cmd_compile(args) -> int:
     output = check_output(args.output, name)   # before minutes of compiling, not after
     aot = _compiler("grace compile")
     try:   # the compiler's own option checks, as one-line errors before the export is read
-        aot.CompileOptions(archs=tuple(archs), fp32_matmul=args.fp32_matmul, pdl=bool(args.pdl),
+        aot.CompileOptions(archs=tuple(archs), fp32_matmul=args.fp32_matmul, pdl=args.pdl,
                            generate=tuple((generate or {}).items()),
                            sm_count=tuple(sm_count.items()))
     except ValueError as e:
@@ -459,8 +459,8 @@ def cmd_compile(args) -> int:
     extra = {"buckets": buckets} if buckets else {}
     if generate is not None:
         extra["generate"] = generate
-    if args.pdl:
-        extra["pdl"] = True
+    if args.pdl is not None:
+        extra["pdl"] = args.pdl
     if args.gemm_tiles:
         extra["gemm_tiles"] = True
     if sm_count:
@@ -886,7 +886,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  grace compile model.pt2 -o model.grace\n"
         "  grace compile model.pt2 -o model.grace --arch sm_90,sm_80 --name my-model\n"
         "  # sm_90 graphs with PDL (132 SMs) and sm_80 graphs without it (108 SMs), one package\n"
-        "  grace compile model.pt2 -o model.grace --arch sm_80 --arch sm_90 --pdl\n"
+        "  grace compile model.pt2 -o model.grace --arch sm_80 --arch sm_90\n"
+        "  grace compile model.pt2 -o model.grace --no-pdl     # full edges only (A/B runs)\n"
         "  grace compile model.pt2 -o model.grace --arch sm_90 --sm-count sm_90=114   # H100 PCIe\n"
         "\n"
         "  # a dynamic sequence length, exported with\n"
@@ -904,8 +905,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-o", "--output", required=True, metavar="MODEL.grace", help="package to write")
     c.add_argument("--arch", action="append", metavar="SM[,SM...]",
                    help="target architectures, comma separated or repeated (default: sm_90). Archs "
-                        "compiled alike (the same --pdl setting and SM count) share one set of graphs; "
-                        "archs that differ (--pdl applies to sm_90+ only; sm_80 plans for 108 SMs, sm_90 "
+                        "compiled alike (the same PDL setting and SM count) share one set of graphs; "
+                        "archs that differ (PDL applies to sm_90+ only; sm_80 plans for 108 SMs, sm_90 "
                         "for 132) get a variant each in the same package, and the runtime runs its GPU's. "
                         "Each variant is lowered and generated on its own: two variants take about twice "
                         "as long to compile as one")
@@ -927,12 +928,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "cache ([seq] int64) and optionally the logits output (default: the first output). "
                         "Adds a one-token decode graph and the on-device argmax step; the token loop then "
                         "runs on the GPU with no host round trip per token")
-    c.add_argument("--pdl", action="store_true",
-                   help="programmatic dependent launch between kernels, in the graphs of the sm_90+ archs "
-                        "(docs/design-pdl.md); archs before sm_90 get graphs without it (an error when no "
-                        "arch is sm_90+). Off by default; on the H200 it made MobileBERT 24%% and "
-                        "EfficientNet-B0 11%% faster, ViT-S and GPT-2 about the same (docs/performance.md); "
-                        "grace.runtime.load(path, pdl=False) runs such a package with full edges, for A/B")
+    c.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="programmatic dependent launch between kernels (docs/design-pdl.md), in the graphs of "
+                        "the sm_90+ archs; archs before sm_90 get graphs without it. Default: on wherever the "
+                        "arch has it (on the H200 every model measured ran 3-18%% faster, docs/performance.md); "
+                        "--pdl insists (an error when no arch is sm_90+), --no-pdl turns it off. "
+                        "grace.runtime.load(path, pdl=False) runs a PDL package with full edges, for A/B")
     c.add_argument("--gemm-tiles", action="store_true",
                    help="tile GEMMs of 128 rows or more from the arch's measured table (aot/gemm_tiles/, "
                         "made by python -m grace.tools.gemm_sweep on that GPU); off by default: on the H200 "
