@@ -18,7 +18,7 @@ def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
     readers: dict[int, list[int]] = {}
     for i, k in enumerate(kernels):
         for buf in k.reads():
-            readers.setdefault(id(buf), []).append(i)
+            readers.setdefault(buf.index, []).append(i)
     return readers
 
 
@@ -56,14 +56,14 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
     changed = True
     while changed:
         changed = False
-        producer_of = {id(k.out): i for i, k in enumerate(kernels)}
+        producer_of = {k.out.index: i for i, k in enumerate(kernels)}
         readers = _readers(kernels)
         for j, consumer in enumerate(kernels):
             if not families.of(consumer).fusable_consumer:
                 continue
             for buf in consumer.reads():
-                i = producer_of.get(id(buf))
-                if i is None or buf.kind != "arena" or readers.get(id(buf)) != [j]:
+                i = producer_of.get(buf.index)
+                if i is None or buf.kind != "arena" or readers.get(buf.index) != [j]:
                     continue
                 if consumer.out.dynamic:   # user memory of the true size: stored by its own kernel
                     continue

@@ -77,7 +77,8 @@ def add_state(program, spec: dict) -> None:
     capacity = _capacity(program, spec)
     for name, shape in ((CTRL, (4,)), (OUT_TOKENS, (capacity,)), (NEXT_TOKEN, (1, 1)),
                         (NEXT_POSITION, (1,))):
-        buf = Buffer(name, "state", "int64", shape)
+        buf = Buffer(name, "state", "int64", shape, program.next_index)
+        program.next_index += 1
         program.state.append(buf)
         program.state_data[name] = torch.zeros(shape, dtype=torch.int64)
 

@@ -59,12 +59,20 @@ def compute_dtype(dtype: str) -> str:
 class Buffer:
     """A piece of device memory. kind: weight | arena | state | input | output | extents | errors.
     `state` buffers belong to the session and outlive a call (KV caches); `errors` is the one
-    table word that index checks report into (ERRORS)."""
+    table word that index checks report into (ERRORS).
+
+    `index` is the buffer's number in its program: unique there, assigned where the buffer is
+    made (Lowering.new_buffer counts 1, 2, ... in creation order, so `buf7` is index 7; a pass that
+    adds buffers numbers them from `Program.next_index`) and the same in any copy of the object.
+    Plans and maps key buffers by it, never by `id()`, so they survive a pass that returns new
+    objects. Indices of two lowerings (two buckets) are unrelated: a plan belongs to the program
+    it was made for."""
 
     name: str
     kind: str
     dtype: str
     shape: tuple[int, ...]
+    index: int
     # weight: the tensor's data (numpy-compatible bytes) is kept by the lowering context.
     # input/output: index of the argument-table slot.
     slot: int | None = None
@@ -257,10 +265,12 @@ def is_cheap(expr: Expr, limit: int = 24, row: bool = False) -> bool:
 ROW_OPERAND_NODES = 64
 
 
-EXTENTS = Buffer("extents", "extents", "int64", (0,))   # the extents table (symbol values)
+# The table's words, one buffer each in every program; negative indices, so that they never meet
+# a lowering's (which count from 1).
+EXTENTS = Buffer("extents", "extents", "int64", (0,), -1)   # the extents table (symbol values)
 # the error word of the table (format 3.3): a gather whose index is out of range stores the code
 # of its check here (Op "check_index"); kernels only ever store into it, and the runtime reads it
-ERRORS = Buffer("errors", "errors", "int64", (1,))
+ERRORS = Buffer("errors", "errors", "int64", (1,), -2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -377,7 +387,7 @@ class Kernel:
         seen: dict[int, Buffer] = {}
         for expr in self.exprs():
             for load in loads(expr):
-                seen.setdefault(id(load.buf), load.buf)
+                seen.setdefault(load.buf.index, load.buf)
         return list(seen.values())
 
     def __repr__(self) -> str:
@@ -408,6 +418,8 @@ class Program:
     state_index_sizes: list = field(default_factory=list)
     # the gathers' index checks: {"code", "input", "op", "where", "size"} (Lowering.check_index)
     index_checks: list = field(default_factory=list)
+    # the index the next buffer made for this program takes (Buffer.index)
+    next_index: int = 1
 
     def __repr__(self) -> str:
         return (f"Program({self.name!r}: {len(self.kernels)} kernels, {len(self.inputs)} inputs, "
@@ -564,8 +576,8 @@ def format_ir(program: "Program | None" = None, kernels: list[Kernel] | None = N
     inner: list[Buffer] = []
     for k in kernels:
         for b in [k.out] + k.reads():
-            if b.kind in ("arena", "extents", "errors") and id(b) not in seen:
-                seen.add(id(b))
+            if b.kind in ("arena", "extents", "errors") and b.index not in seen:
+                seen.add(b.index)
                 inner.append(b)
     groups.append(("intermediates", inner))
     lines.append("buffers:")

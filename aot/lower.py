@@ -125,7 +125,7 @@ class Lowering:
         # pass their input's on), so a kernel that realises a value is labelled by what it
         # computes, not by the consumer that needed it in memory (`label_of`)
         self._origin: dict[int, tuple] = {}
-        self._count = 0
+        self._count = 0   # the buffers made so far: the last one's Buffer.index
         self.node: torch.fx.Node | None = None
         self.folded: dict = {}
         self.sizes: dict = {}
@@ -165,7 +165,8 @@ class Lowering:
     # ---- buffers and kernels ----------------------------------------------------------------
     def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None) -> Buffer:
         self._count += 1
-        return Buffer(name or f"buf{self._count}", kind, dtype, tuple(int(s) for s in shape))
+        return Buffer(name or f"buf{self._count}", kind, dtype, tuple(int(s) for s in shape),
+                      self._count)
 
     def emit(self, kernel: Kernel, value: bool = True) -> TV:
         """Append the kernel; return its result as a value, unless it is none (a scatter writes
@@ -227,12 +228,12 @@ class Lowering:
         # a view the handler rebuilt (its ops are new objects): the input of the node being
         # lowered whose value reads every buffer it reads
         if self.node is not None:
-            bufs = {id(load.buf) for load in loads(expr)}
+            bufs = {load.buf.index for load in loads(expr)}
             for n in self.node.all_input_nodes:
                 v = self.env.get(n)
                 hit = self._origin.get(id(v.expr)) if isinstance(v, TV) else None
                 if (hit is not None and hit[0] is v.expr
-                        and bufs <= {id(load.buf) for load in loads(v.expr)}):
+                        and bufs <= {load.buf.index for load in loads(v.expr)}):
                     return hit[1]
         return ""
 
@@ -275,7 +276,7 @@ class Lowering:
         self._drop_unread_weights()
         return Program(self.kernels, self.inputs, self.outputs, self.weights, self.weight_data,
                        self.name, self.sizes, dict(self.bucket), self.state, self.state_data,
-                       list(self.state_index_sizes), list(self.index_checks))
+                       list(self.state_index_sizes), list(self.index_checks), self._count + 1)
 
     def data_symbol(self, node, bound: int):
         """Declare the unbacked symbol of `node`'s result (a size a kernel computes on the
@@ -426,9 +427,9 @@ class Lowering:
             self._placeholders_of = {}
             for n, v in self.env.items():
                 if n.op == "placeholder" and isinstance(v, TV) and isinstance(v.expr, Load):
-                    key = id(v.expr.buf)
+                    key = v.expr.buf.index
                     self._placeholders_of[key] = self._placeholders_of.get(key, 0) + 1
-        return self._placeholders_of.get(id(tv.expr.buf)) == 1
+        return self._placeholders_of.get(tv.expr.buf.index) == 1
 
     def weight_tensor(self, node) -> torch.Tensor:
         return self.weight_data[self.env[node].expr.buf.name]
@@ -436,8 +437,8 @@ class Lowering:
     def _drop_unread_weights(self) -> None:
         """Weights no kernel reads (a convolution's weights once a batch norm is folded into a
         copy of them) are not stored in the package."""
-        read = {id(buf) for kernel in self.kernels for buf in kernel.reads()}
-        unread = [b for b in self.weights if id(b) not in read]
+        read = {buf.index for kernel in self.kernels for buf in kernel.reads()}
+        unread = [b for b in self.weights if b.index not in read]
         for buf in unread:
             self.weights.remove(buf)
             self.weight_data.pop(buf.name, None)

@@ -91,13 +91,13 @@ class GraphBuild:
 def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict,
          errors: dict | None = None) -> dict:
     if buf.kind == "arena":
-        p = plan.arena[id(buf)]
+        p = plan.arena[buf.index]
         return {"region": "arena", "offset": p.offset, "nbytes": buf.nbytes, "dtype": buf.dtype}
     if buf.kind == "weight":
-        return {"region": "weights", "offset": plan.weights[id(buf)], "nbytes": buf.nbytes,
+        return {"region": "weights", "offset": plan.weights[buf.index], "nbytes": buf.nbytes,
                 "dtype": buf.dtype}
     if buf.kind == "state":
-        return {"region": "state", "offset": plan.state[id(buf)], "nbytes": buf.nbytes,
+        return {"region": "state", "offset": plan.state[buf.index], "nbytes": buf.nbytes,
                 "dtype": buf.dtype}
     if buf.kind == "extents":
         return {"region": "table", "offset": extents["offset"],
@@ -293,7 +293,7 @@ def _state_entries(program: Program, plan: MemoryPlan, sections: dict) -> list[d
         tensor = program.state_data[b.name]
         zeros = not bool(torch.count_nonzero(tensor))
         entries.append({"name": b.name, "dtype": b.dtype, "shape": list(b.shape),
-                        "offset": plan.state[id(b)], "nbytes": b.nbytes,
+                        "offset": plan.state[b.index], "nbytes": b.nbytes,
                         "init": "zeros" if zeros else "data"})
         if not zeros:
             data[b.name] = (b.dtype, tuple(b.shape), weight_view(tensor))
@@ -385,7 +385,7 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
                     "table": table_nbytes, "state": plan.state_nbytes},
         "state": _state_entries(program, plan, sections),
         "weights": [{"name": b.name, "dtype": b.dtype, "shape": list(b.shape),
-                     "offset": plan.weights[id(b)], "nbytes": b.nbytes}
+                     "offset": plan.weights[b.index], "nbytes": b.nbytes}
                     for b in program.weights],
         "arena_buffers": [{"name": p.buffer.name, "offset": p.offset, "nbytes": p.nbytes,
                            "first": p.first + 1, "last": p.last + 1}

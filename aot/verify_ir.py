@@ -374,27 +374,45 @@ def check_kernels(kernels: list[Kernel], program=None, stage: str = "", bucket: 
         if k.out.kind in ("input", "weight"):
             checker.say(f"writes {k.out.name}, a {k.out.kind} buffer")
         for b in k.reads():
-            if b.kind == "arena" and id(b) not in written and b.nbytes:
+            if b.kind == "arena" and b.index not in written and b.nbytes:
                 checker.say(f"reads {b.name} before any kernel writes it")
         for name, expr, space in _roots(k, checker.say):
             checker.expr(expr, _full(space), name)
         _check_sizes(k, checker.say)
         _check_store_dtype(k, checker.say)
         if _scatters(k):
-            if k.out.kind == "arena" and id(k.out) not in written:
+            if k.out.kind == "arena" and k.out.index not in written:
                 checker.say(f"scatters into {k.out.name}, which no earlier kernel wrote (the "
                             "elements it skips would be garbage)")
         elif k.out.kind != "extents":
-            first = full_writer.setdefault(id(k.out), i)
+            first = full_writer.setdefault(k.out.index, i)
             if first != i:
                 checker.say(f"writes {k.out.name}, which kernel #{first} already wrote whole (a "
                             "buffer has one writer, then scatters)")
-        written.add(id(k.out))
+        written.add(k.out.index)
     if program is not None:
         for out in program.outputs:
-            if id(out) not in written and out.nbytes:
+            if out.index not in written and out.nbytes:
                 problems.append(f"output {out.name} is written by no kernel")
+    _check_indices(kernels, program, problems)
     _raise(problems, stage, bucket)
+
+
+def _check_indices(kernels: list[Kernel], program, problems: list) -> None:
+    """One index, one buffer: the memory plan and the manifest key buffers by Buffer.index, so
+    two buffers of one program with the same index would be placed (and passed) as one."""
+    bufs = [b for k in kernels if isinstance(k.out, Buffer) for b in [k.out] + k.reads()]
+    if program is not None:
+        bufs += program.inputs + program.outputs + program.weights + program.state
+    by_index: dict[int, list[Buffer]] = {}
+    for b in bufs:
+        group = by_index.setdefault(b.index, [])
+        if not any(other is b for other in group):
+            group.append(b)
+    for index, group in by_index.items():
+        if len(group) > 1:
+            problems.append(f"buffers {', '.join(b.name for b in group)} have the same index "
+                            f"{index}")
 
 
 def check_plan(plan, kernels: list[Kernel], program=None, stage: str = "memplan",
@@ -413,13 +431,13 @@ def check_plan(plan, kernels: list[Kernel], program=None, stage: str = "memplan"
     for i, k in enumerate(kernels):
         for b in [k.out] + k.reads():
             if b.kind == "arena":
-                bufs[id(b)] = b
-                first.setdefault(id(b), i)
-                last[id(b)] = i
+                bufs[b.index] = b
+                first.setdefault(b.index, i)
+                last[b.index] = i
             elif b.kind == "weight":
-                weights_read[id(b)] = b
+                weights_read[b.index] = b
             elif b.kind == "state":
-                state_used[id(b)] = b
+                state_used[b.index] = b
     for key, b in bufs.items():
         p = plan.arena.get(key)
         if p is None:
@@ -457,7 +475,7 @@ def check_plan(plan, kernels: list[Kernel], program=None, stage: str = "memplan"
 def _check_region(problems, region, buffers, offsets, nbytes, align) -> None:
     spans = []
     for b in buffers:
-        off = offsets.get(id(b))
+        off = offsets.get(b.index)
         if off is None:
             problems.append(f"{region} buffer {b.name} has no offset")
             continue

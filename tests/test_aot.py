@@ -87,25 +87,25 @@ def test_dependencies_follow_write_after_read():
     from grace.aot.families import Pointwise
     from grace.aot.ir import Buffer, Kernel, Load
 
-    x = Buffer("x", "input", "float32", (16, 16))
-    a = Buffer("a", "arena", "float32", (16, 16))
-    c = Buffer("c", "arena", "float32", (16, 16))
-    y1 = Buffer("y1", "output", "float32", (16, 16))
-    y2 = Buffer("y2", "output", "float32", (16, 16))
+    x = Buffer("x", "input", "float32", (16, 16), 1)
+    a = Buffer("a", "arena", "float32", (16, 16), 2)
+    c = Buffer("c", "arena", "float32", (16, 16), 3)
+    y1 = Buffer("y1", "output", "float32", (16, 16), 4)
+    y2 = Buffer("y2", "output", "float32", (16, 16), 5)
 
     def copy(out, src):
         return Kernel(Pointwise(), out, out.shape, Load(src, 0, (16, 1)), label=out.name)
 
     kernels = [copy(a, x), copy(y1, a), copy(c, x), copy(y2, c)]
     plan = memplan.plan_memory(kernels, [])
-    assert plan.arena[id(a)].offset == plan.arena[id(c)].offset == 0   # the reuse
+    assert plan.arena[a.index].offset == plan.arena[c.index].offset == 0   # the reuse
     deps = memplan.dependencies(kernels, plan)
     assert deps[1] == [0]      # read-after-write: y1 reads a
     assert deps[2] == [1]      # write-after-read: c overwrites a's bytes after y1 read them
     assert deps[3] == [2]      # read-after-write: y2 reads c
     # without the reuse there is no such edge: the two chains are independent
-    apart = memplan.MemoryPlan(2048, {id(a): memplan.Placement(a, 0, 1024, 0, 1),
-                                      id(c): memplan.Placement(c, 1024, 1024, 2, 3)}, 0, {})
+    apart = memplan.MemoryPlan(2048, {a.index: memplan.Placement(a, 0, 1024, 0, 1),
+                                      c.index: memplan.Placement(c, 1024, 1024, 2, 3)}, 0, {})
     assert memplan.dependencies(kernels, apart) == [[], [0], [], [2]]
 
 

@@ -35,8 +35,8 @@ def _pointwise(out, value, label="k"):
     return Kernel(Pointwise(), out, out.shape, value, label=label)
 
 
-X = Buffer("x", "input", "float32", (4, 8))
-OUT = Buffer("out", "output", "float32", (4, 8))
+X = Buffer("x", "input", "float32", (4, 8), 1)
+OUT = Buffer("out", "output", "float32", (4, 8), 2)
 
 
 def test_real_lowerings_pass(llama):
@@ -59,15 +59,15 @@ def test_a_load_past_its_buffer_is_caught():
 
 def test_slices_and_gathers_are_bounded_through_reindex():
     # out[i, j] = x[i, 2*j + 1] over j < 4: the child index space is rows 0..3, columns 1..7
-    half = Buffer("half", "output", "float32", (4, 4))
+    half = Buffer("half", "output", "float32", (4, 4), 3)
     ok = _pointwise(half, Reindex(Load(X, 0, (8, 1)), [DimMap("dim", 0), DimMap("dim", 1, 2, 1)]))
     verify_ir.check_kernels([ok])
     over = _pointwise(half, Reindex(Load(X, 0, (8, 1)), [DimMap("dim", 0), DimMap("dim", 1, 3, 0)]))
     with pytest.raises(IRVerifyError, match=r"reads elements \[0, 33\] over \[0\.\.3, 0\.\.9\]"):
         verify_ir.check_kernels([over])
     # a gather whose index is clamped against a constant size stays inside the table
-    table = Buffer("table", "weight", "float32", (10, 8))
-    ids = Buffer("ids", "input", "int64", (4,))
+    table = Buffer("table", "weight", "float32", (10, 8), 3)
+    ids = Buffer("ids", "input", "int64", (4,), 4)
     idx = Op("check_index", [Load(ids, 0, (1, 0)), Const(10, "int64")], "int64", param=1)
     gather = _pointwise(OUT, Reindex(Load(table, 0, (8, 1)), [DimMap("expr", expr=idx),
                                                             DimMap("dim", 1)]))
@@ -80,14 +80,14 @@ def test_slices_and_gathers_are_bounded_through_reindex():
 
 
 def test_dtypes_must_agree_between_producer_and_consumer():
-    t = Buffer("t", "arena", "float32", (4, 8))
+    t = Buffer("t", "arena", "float32", (4, 8), 3)
     load = Load(t, 0, (8, 1))
     load.dtype = "float16"   # a consumer reading the producer's buffer as another dtype
     kernels = [_pointwise(t, Load(X, 0, (8, 1)), "producer"), _pointwise(OUT, load, "consumer")]
     with pytest.raises(IRVerifyError, match=r"kernel #1 \(pointwise 'consumer'\): epilogue: a load "
                                             r"of t is float16, but the buffer holds float32"):
         verify_ir.check_kernels(kernels)
-    ints = Buffer("n", "output", "int64", (4, 8))
+    ints = Buffer("n", "output", "int64", (4, 8), 4)
     with pytest.raises(IRVerifyError, match="stores a float32 value into n, a buffer of int64"):
         verify_ir.check_kernels([_pointwise(ints, Load(X, 0, (8, 1)))])
     cmp = Op("lt", [Load(X, 0, (8, 1)), Const(0.0, "float32")], "float32")
@@ -110,7 +110,7 @@ def test_extents_and_sizes_must_match_the_shapes():
 
 
 def test_each_buffer_is_written_once_and_before_it_is_read():
-    t = Buffer("t", "arena", "float32", (4, 8))
+    t = Buffer("t", "arena", "float32", (4, 8), 3)
     write = _pointwise(t, Load(X, 0, (8, 1)), "write")
     read = _pointwise(OUT, Load(t, 0, (8, 1)), "read")
     with pytest.raises(IRVerifyError, match=r"kernel #1 \(pointwise 'write'\): writes t, which "
@@ -120,8 +120,30 @@ def test_each_buffer_is_written_once_and_before_it_is_read():
                                             r"kernel writes it"):
         verify_ir.check_kernels([read, write])
     with pytest.raises(IRVerifyError, match="output out is written by no kernel"):
-        program = type("P", (), {"outputs": [OUT]})()
+        program = type("P", (), {"inputs": [X], "outputs": [OUT], "weights": [], "state": []})()
         verify_ir.check_kernels([write], program)
+
+
+def test_two_buffers_with_one_index_are_caught():
+    """The memory plan keys buffers by Buffer.index: a second buffer with the index of another
+    would be placed over it."""
+    t = Buffer("t", "arena", "float32", (4, 8), 3)
+    twin = Buffer("twin", "arena", "float32", (4, 8), 3)
+    kernels = [_pointwise(t, Load(X, 0, (8, 1)), "t"), _pointwise(twin, Load(X, 0, (8, 1)), "twin"),
+               _pointwise(OUT, Op("add", [Load(t, 0, (8, 1)), Load(twin, 0, (8, 1))], "float32"))]
+    with pytest.raises(IRVerifyError, match="buffers t, twin have the same index 3"):
+        verify_ir.check_kernels(kernels)
+
+
+def test_indices_are_numbered_where_buffers_are_made(llama):
+    """Every buffer of a lowering has its own index (the lowering's count: `bufN` is index N),
+    the table's words theirs below 1."""
+    program, kernels = llama
+    bufs = {b.index: b for k in program.kernels for b in [k.out] + k.reads()}
+    bufs.update((b.index, b) for b in program.inputs + program.outputs + program.weights)
+    assert all(b.name == f"buf{b.index}" for b in bufs.values() if b.kind == "arena")
+    assert max(bufs) < program.next_index
+    assert all(i >= 1 or b.kind in ("extents", "errors") for i, b in bufs.items())
 
 
 def test_a_broken_memory_plan_is_caught(llama):
