@@ -329,15 +329,14 @@ def _symbols(st: CompileState) -> CompileState:
 
 def _lower(b: BucketState, st: CompileState) -> BucketState:
     """lower: the program lowered with every input symbol at its bucket bound (ir.Program),
-    outputs named after the model's, session state added for --generate."""
+    outputs named after the model's (logits, ...), session state added for --generate."""
     bucket = {s.expr: b.bounds[s.name] for s in st.symbols if s.kind == "input"}
     try:
         b.program = lower.lower(st.core, st.name, _target(b, st).lowering_options(st.options),
-                                bucket)
+                                bucket, st.output_names)
     except (lower.LoweringError, extents.ShapeError) as exc:
         relocate(exc, st.core)   # "used at" the user's line, not torch/nn/modules/*.py
         raise
-    manifest.name_outputs(b.program, st.output_names)   # the model's own names (logits, ...)
     if st.options.generate:
         generation.add_state(b.program, dict(st.options.generate))
     return b
@@ -389,7 +388,7 @@ def _table(st: CompileState) -> CompileState:
     _check_same_interface(st.graphs)
     st.checks = manifest.index_checks(st.graphs, st.symbols)   # gathers' bounds checks (3.3)
     layouts = [manifest.table_layout(g.program, len(st.symbols), bool(st.checks))
-               for g in st.graphs]  # sets buf.slot
+               for g in st.graphs]
     if any(layout != layouts[0] for layout in layouts[1:]):
         raise lower.LoweringError("internal: buckets lowered to different argument tables")
     st.layout = layouts[0]

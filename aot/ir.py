@@ -55,11 +55,14 @@ def compute_dtype(dtype: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Buffers
 # ----------------------------------------------------------------------------------------------
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Buffer:
     """A piece of device memory. kind: weight | arena | state | input | output | extents | errors.
     `state` buffers belong to the session and outlive a call (KV caches); `errors` is the one
-    table word that index checks report into (ERRORS).
+    table word that index checks report into (ERRORS). A weight's data is kept by the program
+    (`Program.weight_data`), an input's or output's table slot by the table layout
+    (manifest.slot_of): a buffer is what kernels address, frozen once made, since the kernels of
+    every stage share it.
 
     `index` is the buffer's number in its program: unique there, assigned where the buffer is
     made (Lowering.new_buffer counts 1, 2, ... in creation order, so `buf7` is index 7; a pass that
@@ -73,9 +76,6 @@ class Buffer:
     dtype: str
     shape: tuple[int, ...]
     index: int
-    # weight: the tensor's data (numpy-compatible bytes) is kept by the lowering context.
-    # input/output: index of the argument-table slot.
-    slot: int | None = None
     # input/output with a dynamic dimension: per dimension whether it is dynamic (empty when none
     # is). The caller's true sizes and strides are read from the table slot, so loads of such a
     # buffer never fold views into static strides (views.remap).
@@ -584,8 +584,7 @@ def format_ir(program: "Program | None" = None, kernels: list[Kernel] | None = N
     for what, bufs in groups:
         if bufs:
             lines.append(f"  {what}:")
-            lines += [f"    {_buf_text(b)}" + (f"  slot {b.slot}" if b.slot is not None else "")
-                      for b in bufs]
+            lines += [f"    {_buf_text(b)}" for b in bufs]
     lines.append(f"kernels ({len(kernels)}):")
     for i, k in enumerate(kernels):
         lines += ["  " + ln for ln in format_kernel(k, i).splitlines()]

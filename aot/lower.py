@@ -91,9 +91,12 @@ class Lowering:
     every kernel which elements are real."""
 
     def __init__(self, program: ExportedProgram, name: str, options: dict | None = None,
-                 bucket: dict | None = None):
+                 bucket: dict | None = None, output_names: list[str] | None = None):
         self.program = program
         self.name = name
+        # the package's output names, one per user output (compiler.program_output_names);
+        # None: out, or out0, out1, ...
+        self.output_names = output_names
         self.options = {**DEFAULT_OPTIONS, **(options or {})}
         self.bucket = dict(bucket or {})
         # sizes computed on the device (nonzero, .item()): every symbol that is not an input's
@@ -163,10 +166,11 @@ class Lowering:
         return tuple(self.entry_of(s) for s in node.meta["val"].shape)
 
     # ---- buffers and kernels ----------------------------------------------------------------
-    def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None) -> Buffer:
+    def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None,
+                   dynamic: tuple = ()) -> Buffer:
         self._count += 1
         return Buffer(name or f"buf{self._count}", kind, dtype, tuple(int(s) for s in shape),
-                      self._count)
+                      self._count, dynamic)
 
     def emit(self, kernel: Kernel, value: bool = True) -> TV:
         """Append the kernel; return its result as a value, unless it is none (a scatter writes
@@ -300,8 +304,7 @@ class Lowering:
                                     "only tensor inputs are supported")
             ext = tuple(self.entry_of(d) for d in val.shape)
             buf = self.new_buffer([self.size_of(d) for d in val.shape], dtype_name(val.dtype), "input",
-                                  node.name)
-            buf.dynamic = tuple(e is not None for e in ext) if any(ext) else ()
+                                  node.name, tuple(e is not None for e in ext) if any(ext) else ())
             self.sizes[buf.name] = tuple(val.shape)
             self.inputs.append(buf)
             return views.contiguous_load(buf, ext)
@@ -525,6 +528,11 @@ class Lowering:
         read a buffer's old value, so the state is written last (after every such reader)."""
         values = node.args[0]
         user_outputs = [spec for spec in sig.output_specs if spec.kind == OutputKind.USER_OUTPUT]
+        names = self.output_names or (["out"] if len(user_outputs) == 1 else
+                                      [f"out{i}" for i in range(len(user_outputs))])
+        if len(names) != len(user_outputs):
+            raise AssertionError(f"internal: {len(names)} output names for {len(user_outputs)} "
+                                 "outputs")
         mutations = []
         for i, (value, spec) in enumerate(zip(values, sig.output_specs)):
             if spec.kind == OutputKind.BUFFER_MUTATION:
@@ -535,9 +543,8 @@ class Lowering:
             tv = self.env.get(value) if isinstance(value, torch.fx.Node) else None
             if not isinstance(tv, TV):
                 raise LoweringError(f"output {i} is not a tensor; only tensor outputs are supported")
-            name = f"out{len(self.outputs)}" if len(user_outputs) > 1 else "out"
-            buf = self.new_buffer(tv.shape, tv.dtype, "output", name)
-            buf.dynamic = tuple(e is not None for e in tv.ext) if tv.ext is not None else ()
+            buf = self.new_buffer(tv.shape, tv.dtype, "output", names[len(self.outputs)],
+                                  tuple(e is not None for e in tv.ext) if tv.ext is not None else ())
             if buf.dynamic and any(len(e) > 1 for e in tv.ext if e is not None):
                 raise LoweringError(f"output {i} has a merged dynamic dimension; return it with "
                                     "each dynamic dimension separate")
@@ -730,9 +737,9 @@ def _worth_sharing(tv: TV) -> bool:
 
 
 def lower(program: ExportedProgram, name: str = "model", options: dict | None = None,
-          bucket: dict | None = None) -> Program:
+          bucket: dict | None = None, output_names: list[str] | None = None) -> Program:
     from . import lower_ops, lower_scan, lower_vision  # noqa: F401  (register the handlers)
-    return Lowering(program, name, options, bucket).run()
+    return Lowering(program, name, options, bucket, output_names).run()
 
 
 # ---- helpers shared by the op handlers -------------------------------------------------------

@@ -124,6 +124,28 @@ def test_package_has_sm90_cubins_and_sources(tmp_path):
     assert [i["name"] for i in m["inputs"]] == ["x"]
 
 
+def test_buffers_are_named_when_made_and_the_table_layout_leaves_them_alone():
+    """Outputs get the package's names from the lowering (no pass renames a buffer the kernels
+    share), and an I/O buffer's table slot is the layout's (manifest.slot_of): buffers are
+    frozen."""
+    import dataclasses
+
+    from grace.aot import manifest
+
+    class Two(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y, x * y
+
+    core = export.to_core_aten(export.export_model(Two(), (torch.randn(4), torch.randn(4))))
+    prog = lower.lower(core, output_names=["total", "product"])
+    assert [b.name for b in prog.outputs] == ["total", "product"]
+    assert list(prog.sizes) == ["x", "y", "total", "product"]
+    slots, _, _, _ = manifest.table_layout(prog)
+    assert [manifest.slot_of(b, slots) for b in prog.inputs + prog.outputs] == [0, 1, 2, 3]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prog.outputs[0].name = "renamed"
+
+
 def test_unsupported_op_names_op_and_source_line():
     class Histogram(torch.nn.Module):
         def forward(self, x):
