@@ -338,7 +338,7 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
         relocate(exc, st.core)   # "used at" the user's line, not torch/nn/modules/*.py
         raise
     if st.options.generate:
-        generation.add_state(b.program, dict(st.options.generate))
+        b.program = generation.add_state(b.program, dict(st.options.generate))
     return b
 
 

@@ -6,8 +6,13 @@ kernel element for element — a GEMM followed by GELU, a residual add after an 
 the copy of a result into a graph output. Such a consumer is folded into the producer's store:
 the producer's epilogue becomes the consumer's expression with the producer's value in place of
 the load, and the producer writes the consumer's buffer directly.
+
+The pass returns new kernels (the fused producer is a new Kernel) in a new list: the lowered
+program's kernels are left as they were, so the `lower` stage's state stays what it printed.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 from . import families
 from .ir import Kernel, Load, Op, is_contiguous, loads, numel, walk
@@ -53,6 +58,8 @@ def _substitute(expr, buf, value):
 
 
 def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
+    """The kernels after epilogue fusion, as a new list (`kernels` and its kernels unchanged)."""
+    kernels = list(kernels)
     changed = True
     while changed:
         changed = False
@@ -79,17 +86,22 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
                 if (not _identity_load(expr, producer.out_shape, buf)
                         or not _only_ops_above(expr, buf)):
                     continue
-                producer.epilogue = _substitute(expr, buf, producer.epilogue)
-                producer.out = consumer.out
-                parts = producer.label.split("+")   # each op named once (a copy of `mm` adds none)
-                parts += [p for p in consumer.label.split("+") if p and p not in parts]
-                producer.label = "+".join(parts)
-                kernels = kernels[:i] + kernels[i + 1:j] + [producer] + kernels[j + 1:]
+                fused = replace(producer, epilogue=_substitute(expr, buf, producer.epilogue),
+                                out=consumer.out, label=_joined(producer.label, consumer.label))
+                kernels = kernels[:i] + kernels[i + 1:j] + [fused] + kernels[j + 1:]
                 changed = True
                 break
             if changed:
                 break
     return kernels
+
+
+def _joined(producer: str, consumer: str) -> str:
+    """The fused kernel's label: the producer's ops, then the consumer's that are new (each op
+    named once: a copy of `mm` adds none)."""
+    parts = producer.split("+")
+    parts += [p for p in consumer.split("+") if p and p not in parts]
+    return "+".join(parts)
 
 
 def _only_ops_above(expr, buf) -> bool:

@@ -357,11 +357,14 @@ def _expr_fields(cls) -> dict[str, str]:
     return kinds
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Kernel:
     """One kernel launch. It computes a value per index of `out_shape` (what, is its family's
     `spec`: a pointwise expression, a reduction, a GEMM tile, attention) and stores `epilogue` —
-    an expression in which `Acc` is that value — into `out` (contiguous)."""
+    an expression in which `Acc` is that value — into `out` (contiguous).
+
+    Frozen, like its spec and its buffer: a pass that changes a kernel returns a new one
+    (`dataclasses.replace`), so the kernels a stage handed on stay what that stage made."""
 
     spec: Spec
     out: Buffer
@@ -398,9 +401,10 @@ class Kernel:
         return format_kernel(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Program:
-    """The lowered model: kernels in execution order plus the buffers they touch."""
+    """The lowered model: kernels in execution order plus the buffers they touch. Frozen: a pass
+    that adds to it (generation.add_state) returns a new Program."""
 
     kernels: list[Kernel]
     inputs: list[Buffer]

@@ -7,6 +7,7 @@ compile error that names the op and the line of the user's model it came from.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -105,7 +106,7 @@ class Lowering:
         self.pinned = {sym for sym, bound in self.bucket.items()
                        if sym in program.range_constraints
                        and int(program.range_constraints[sym].lower) >= bound}
-        self.item_kernels: dict = {}     # data symbol -> the kernel that writes it (.item())
+        self.item_kernels: dict = {}     # data symbol -> position of the kernel that writes it (.item())
         self.dynamic = bool(program.range_constraints)
         self.kernels: list[Kernel] = []
         self.inputs: list[Buffer] = []
@@ -176,7 +177,7 @@ class Lowering:
         """Append the kernel; return its result as a value, unless it is none (a scatter writes
         part of an existing buffer; `value=False`: scratch whose layout only its reader knows)."""
         if not kernel.label and self.node is not None:
-            kernel.label = self.node.name
+            kernel = dataclasses.replace(kernel, label=self.node.name)
         self.kernels.append(kernel)
         if families.of(kernel).scatters or not value:
             return None
@@ -184,6 +185,15 @@ class Lowering:
         if ext is not None and tuple(kernel.out.shape) != tuple(kernel.out_shape):
             ext = extents.regroup(kernel.out_shape, ext, kernel.out.shape)
         return views.contiguous_load(kernel.out, ext)
+
+    def replace_kernel(self, at: int, kernel: Kernel) -> None:
+        """Put `kernel` in place of the kernel emitted at position `at`, which writes the same
+        buffer (a later node told more about it: a slice bounds an `.item()` size, so its clamp
+        tightens). The emitted kernel itself is never changed: kernels are frozen."""
+        old = self.kernels[at]
+        if kernel.out is not old.out or kernel.family != old.family:
+            raise AssertionError(f"internal: kernel #{at} ({old!r}) replaced by {kernel!r}")
+        self.kernels[at] = kernel
 
     def realize(self, tv: TV, into: Buffer | None = None) -> TV:
         """Make `tv` live in memory (contiguous). A value that already is a whole buffer is free."""

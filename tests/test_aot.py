@@ -31,6 +31,44 @@ def test_mlp_is_two_gemms_with_fused_epilogues():
     assert kernels[-1].out.kind == "output"
 
 
+def test_fusion_returns_new_kernels_and_leaves_the_lowered_ones_alone():
+    """Passes return new objects: after fusion the lowered program prints as before, holds the
+    same kernel objects with the same fields, and the fused producers are new kernels."""
+    from grace.aot.ir import format_ir
+
+    core = export.to_core_aten(export.export_model(models.LlamaBlock(), (torch.randn(1, 16, 64),)))
+    prog = lower.lower(core)
+    text, kernels = format_ir(prog), list(prog.kernels)
+    fields = [(k.spec, k.out, k.epilogue, k.label, k.ext) for k in kernels]
+    fused = fuse.fuse_epilogues(prog.kernels)
+    assert len(fused) < len(kernels)   # something was fused
+    assert format_ir(prog) == text
+    assert len(prog.kernels) == len(kernels)
+    assert all(a is b for a, b in zip(prog.kernels, kernels))
+    assert [(k.spec, k.out, k.epilogue, k.label, k.ext) for k in prog.kernels] == fields
+    assert any(k not in kernels and "+" in k.label for k in fused)
+    assert fused is not prog.kernels
+
+
+def test_a_slice_by_item_tightens_its_clamp_in_a_new_kernel():
+    """x[:n.item()] bounds n by x's size: the `.item()` kernel emitted before the slice is replaced
+    (Lowering.replace_kernel) by one that clamps to 12, not to the 40 torch._check allowed, and
+    the size's bound follows."""
+    class Prefix(torch.nn.Module):
+        def forward(self, x, n):
+            k = n.item()
+            torch._check(k >= 0)
+            torch._check(k <= 40)
+            return x[:k] + 1
+
+    core = export.to_core_aten(export.export_model(Prefix(), (torch.randn(12, 4), torch.tensor(3))))
+    (sym,) = core.range_constraints
+    prog = lower.lower(core)
+    item = prog.kernels[0]
+    assert item.family == "to_extent" and (item.spec.lo, item.spec.hi) == (0, 12)
+    assert prog.bounds[sym] == 12
+
+
 def test_pointwise_chain_is_one_kernel():
     class Chain(torch.nn.Module):
         def forward(self, x, y):

@@ -17,11 +17,11 @@ from grace.tools import models  # noqa: E402
 
 
 def _lowered(model, *inputs):
-    """(program, fused kernels), each checked as the compiler checks them: the lowering before
-    fusion (which rewrites the producers in place)."""
+    """(program, fused kernels), each checked as the compiler checks them: the lowering, then
+    the kernels after fusion."""
     program = lower.lower(export.to_core_aten(export.export_model(model, inputs)))
     verify_ir.check_kernels(program.kernels, program, "lower")
-    kernels = memplan.drop_empty(fuse.fuse_epilogues(list(program.kernels)))
+    kernels = memplan.drop_empty(fuse.fuse_epilogues(program.kernels))
     return program, kernels
 
 
@@ -97,10 +97,10 @@ def test_dtypes_must_agree_between_producer_and_consumer():
 
 def test_extents_and_sizes_must_match_the_shapes():
     k = _pointwise(OUT, Load(X, 0, (8, 1)))
-    k.ext = (None, None, None)
+    k = dataclasses.replace(k, ext=(None, None, None))
     with pytest.raises(IRVerifyError, match=r"ext has 3 entries for 2 dims \[4, 8\]"):
         verify_ir.check_kernels([k])
-    k.ext = (((2, 3),), None)    # bucket factor 2 for a dim of size 4
+    k = dataclasses.replace(k, ext=(((2, 3),), None))    # bucket factor 2 for a dim of size 4
     with pytest.raises(IRVerifyError, match=r"ext\[0\] has bucket factors \[2\] \(product 2\) for a "
                                             r"dim of size 4"):
         verify_ir.check_kernels([k])
@@ -187,8 +187,8 @@ def test_the_compiler_runs_it_at_the_stage_that_broke_the_ir(monkeypatch, tmp_pa
     def broken(kernels):
         out = real(kernels)
         a = out[0].spec.a
-        out[0].spec = dataclasses.replace(out[0].spec, a=Load(a.buf, a.offset + 64, a.strides))
-        return out
+        shifted = dataclasses.replace(out[0].spec, a=Load(a.buf, a.offset + 64, a.strides))
+        return [dataclasses.replace(out[0], spec=shifted)] + out[1:]
 
     monkeypatch.setattr(fuse, "fuse_epilogues", broken)
     monkeypatch.setenv("GRACE_VERIFY", "1")
