@@ -152,8 +152,8 @@ class Writer:
     def slot_word(self, buf, word: int) -> str:
         """Word `word` of an I/O buffer's table slot: 1 + d is size d, 1 + rank + d stride d."""
         self.ptr(buf)
-        return self._prologue_value((buf.index, word), f"tl.load({self._ptr[buf.index]}_slot + {word})",
-                                    "io")
+        return self._prologue_value((buf.index, word),
+                                    f"tl.load({self._ptr[buf.index]}_slot + {word})", "io")
 
     def user_address(self, buf, dims) -> tuple[str, list[str]]:
         """Element offset and bounds terms for a user tensor with dynamic dimensions, at the index

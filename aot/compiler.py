@@ -11,7 +11,7 @@ decompositions and symbols are shared; each target lowers, fuses, plans and gene
 graphs, so two targets take about twice as long as one. Kernels of identical source are built once
 per arch and stored once; so are graphs identical across targets (aot/manifest.py).
 Between stages, GRACE_DUMP=DIR writes each state (aot/dump.py), GRACE_VERIFY=1 checks the IR
-after lower, fuse and memplan (aot/verify_ir.py), and the override stage applies
+after lower, fuse, memplan and codegen (aot/verify_ir.py), and the override stage applies
 GRACE_OVERRIDE=DIR (kernel sources by name). docs/architecture.md, "Seeing between the stages".
 
 Options are a frozen dataclass: hashable, validated once, recorded in the manifest.
@@ -237,8 +237,8 @@ def _say(options: CompileOptions, msg: str):
 # Stages with `per_bucket` run once per shape bucket (one graph each), bucket by bucket in the
 # order of extents.combinations, on that bucket's BucketState; the others run once on the
 # CompileState. GRACE_DUMP=DIR writes the state after every stage (aot/dump.py), GRACE_VERIFY=1
-# checks the IR after lower, fuse and memplan (aot/verify_ir.py), GRACE_OVERRIDE=DIR swaps kernel
-# sources by name before the build (the `override` stage).
+# checks the IR after lower, fuse, memplan and codegen (aot/verify_ir.py), GRACE_OVERRIDE=DIR
+# swaps kernel sources by name before the build (the `override` stage).
 
 
 @dataclass
@@ -502,13 +502,17 @@ def _verify_plan(b: BucketState, st: CompileState) -> None:
     verify_ir.check_plan(b.plan, b.kernels, b.program, "memplan", b.name)
 
 
+def _verify_order(b: BucketState, st: CompileState) -> None:
+    verify_ir.check_order(b.kernels, b.graph.deps, "codegen", b.name)
+
+
 PIPELINE: tuple[Stage, ...] = (
     Stage("export", _export),
     Stage("symbols", _symbols),
     Stage("lower", _lower, per_bucket=True, verify=_verify_lowered),
     Stage("fuse", _fuse, per_bucket=True, verify=_verify_fused),
     Stage("memplan", _memplan, per_bucket=True, verify=_verify_plan),
-    Stage("codegen", _codegen, per_bucket=True),
+    Stage("codegen", _codegen, per_bucket=True, verify=_verify_order),
     Stage("table", _table),
     Stage("override", _override),
     Stage("build", _build),

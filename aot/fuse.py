@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import families
-from .ir import Kernel, Load, Op, is_contiguous, loads, numel, walk
+from .ir import Kernel, Load, Op, identity_load, numel, only_ops_above
 from .views import reshape
 
 
@@ -25,18 +25,6 @@ def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
         for buf in k.reads():
             readers.setdefault(buf.index, []).append(i)
     return readers
-
-
-def _identity_load(expr, shape, buf) -> bool:
-    """Every load of `buf` in `expr` (over `shape`) reads element i at flat index i."""
-    found = False
-    for load in loads(expr):
-        if load.buf is not buf:
-            continue
-        found = True
-        if load.offset != 0 or not is_contiguous(load.strides, shape):
-            return False
-    return found
 
 
 def _substitute(expr, buf, value):
@@ -63,6 +51,8 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
     changed = True
     while changed:
         changed = False
+        # a buffer's last writer: one that a scatter writes into after its whole writer is the
+        # scatter's (no fusable producer), so its whole writer is never folded away
         producer_of = {k.out.index: i for i, k in enumerate(kernels)}
         readers = _readers(kernels)
         for j, consumer in enumerate(kernels):
@@ -77,17 +67,21 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
                 producer = kernels[i]
                 if not families.of(producer).fusable_producer or producer.spec.writes_partials:
                     continue   # split-K / split-KV partials: their reader applies the epilogue
+                if _overwritten_before(kernels, i, j):
+                    continue
                 if numel(producer.out_shape) != numel(consumer.out_shape):
                     continue
-                if not _identity_load(consumer.epilogue, consumer.out_shape, buf):
+                if not identity_load(consumer.epilogue, consumer.out_shape, buf):
                     continue
                 expr = reshape(consumer.epilogue, consumer.out_shape, producer.out_shape)
                 # after the reshape the load of `buf` must still be the identity
-                if (not _identity_load(expr, producer.out_shape, buf)
-                        or not _only_ops_above(expr, buf)):
+                if (not identity_load(expr, producer.out_shape, buf)
+                        or not only_ops_above(expr, buf)):
                     continue
                 fused = replace(producer, epilogue=_substitute(expr, buf, producer.epilogue),
                                 out=consumer.out, label=_joined(producer.label, consumer.label))
+                if families.in_place_problem(fused):
+                    continue   # it would read what its own programs overwrite (a state update)
                 kernels = kernels[:i] + kernels[i + 1:j] + [fused] + kernels[j + 1:]
                 changed = True
                 break
@@ -96,21 +90,17 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
     return kernels
 
 
+def _overwritten_before(kernels: list[Kernel], i: int, j: int) -> bool:
+    """A kernel between the producer (i) and its consumer (j) writes a buffer the producer reads:
+    fused, the producer runs at the consumer's place, after that write, and would read the new
+    value (an update of session state that an earlier state update reads the old value of)."""
+    read = {b.index for b in kernels[i].reads()}
+    return any(k.out.index in read for k in kernels[i + 1:j])
+
+
 def _joined(producer: str, consumer: str) -> str:
     """The fused kernel's label: the producer's ops, then the consumer's that are new (each op
     named once: a copy of `mm` adds none)."""
     parts = producer.split("+")
     parts += [p for p in consumer.split("+") if p and p not in parts]
     return "+".join(parts)
-
-
-def _only_ops_above(expr, buf) -> bool:
-    """The loads of `buf` hang directly under pointwise ops (no reindexing in between), so the
-    producer's value at the output index can replace them."""
-    for node in walk(expr):
-        if isinstance(node, Op) or isinstance(node, Load):
-            continue
-        if any(isinstance(n, Load) and n.buf is buf for n in walk(node)):
-            return False
-    return True
-

@@ -8,8 +8,25 @@ kernel of its own: it is evaluated inside whichever kernel reads it (prologue fu
 `fuse.py` folds pointwise consumers into the store of the kernel that produced their input
 (epilogue fusion).
 
-Every `Kernel` writes exactly one contiguous buffer. Sizes here are the bucket's (static); which
-elements are real is described by extents (`extents.py`) that kernels evaluate on the device.
+Every `Kernel` writes one buffer, its `out`. Most write it whole: their value at every index of
+their index space, row-major (contiguous), which defines the buffer (an arena buffer is written
+whole once). A family whose registry entry `scatters` (families.Scatter: index_put, scatter,
+index_add, KV-cache updates) writes *part* of a buffer instead, at positions it computes on the
+device, into session state or into an arena buffer an earlier kernel wrote whole (a copy of the
+old value); the elements it skips keep theirs. A partial write defines nothing on its own: the
+memory plan keeps the buffer live from its whole write (memplan.plan_memory), and the graph's
+edges count it as a write of the whole buffer (memplan.dependencies), so its readers wait for it
+and for the writes before it, and it waits for those writes and for every reader of the value it
+changes (write-after-read). A kernel reads the buffer it writes only at the element it stores
+(families.in_place_problem). The `writes_extents` families also store a size into a word of the
+extents table, and are ordered against every kernel that reads the extents. The verifier checks
+all of it (aot/verify_ir.py).
+
+The IR's objects never change once made: `Buffer`, `Kernel`, its `Spec` and `Program` are frozen,
+so a pass returns new ones (`dataclasses.replace`) and the state a stage handed on stays what it
+was. Plans and maps key buffers by `Buffer.index`, never by `id()`. Sizes here are the bucket's
+(static); which elements are real is described by extents (`extents.py`) that kernels evaluate on
+the device.
 """
 from __future__ import annotations
 
@@ -235,6 +252,32 @@ def loads(expr: Expr) -> list[Load]:
     return [n for n in walk(expr) if isinstance(n, Load)]
 
 
+def identity_load(expr: Expr, shape, buf: Buffer) -> bool:
+    """`expr` (evaluated over `shape`) loads `buf`, and every load of it reads element i at flat
+    index i."""
+    found = False
+    for load in loads(expr):
+        if load.buf is not buf:
+            continue
+        found = True
+        if load.offset != 0 or not is_contiguous(load.strides, shape):
+            return False
+    return found
+
+
+def only_ops_above(expr: Expr, buf: Buffer) -> bool:
+    """The loads of `buf` in `expr` hang directly under pointwise ops (no reindexing in between),
+    so they are evaluated at the index `expr` is: with `identity_load`, they read `buf` at the very
+    element being computed (what epilogue fusion replaces by the producer's value, and all a kernel
+    may read of the buffer it writes)."""
+    for node in walk(expr):
+        if isinstance(node, Op) or isinstance(node, Load):
+            continue
+        if any(isinstance(n, Load) and n.buf is buf for n in walk(node)):
+            return False
+    return True
+
+
 def expr_size(expr: Expr) -> int:
     return sum(1 for _ in walk(expr))
 
@@ -361,7 +404,8 @@ def _expr_fields(cls) -> dict[str, str]:
 class Kernel:
     """One kernel launch. It computes a value per index of `out_shape` (what, is its family's
     `spec`: a pointwise expression, a reduction, a GEMM tile, attention) and stores `epilogue` —
-    an expression in which `Acc` is that value — into `out` (contiguous).
+    an expression in which `Acc` is that value — into `out`: whole and contiguous, or, for a
+    family that scatters, at the positions its spec computes (the module docstring).
 
     Frozen, like its spec and its buffer: a pass that changes a kernel returns a new one
     (`dataclasses.replace`), so the kernels a stage handed on stay what that stage made."""

@@ -106,7 +106,7 @@ class Lowering:
         self.pinned = {sym for sym, bound in self.bucket.items()
                        if sym in program.range_constraints
                        and int(program.range_constraints[sym].lower) >= bound}
-        self.item_kernels: dict = {}     # data symbol -> position of the kernel that writes it (.item())
+        self.item_kernels: dict = {}     # data symbol -> where in `kernels` it is written (.item())
         self.dynamic = bool(program.range_constraints)
         self.kernels: list[Kernel] = []
         self.inputs: list[Buffer] = []
@@ -553,8 +553,8 @@ class Lowering:
             tv = self.env.get(value) if isinstance(value, torch.fx.Node) else None
             if not isinstance(tv, TV):
                 raise LoweringError(f"output {i} is not a tensor; only tensor outputs are supported")
-            buf = self.new_buffer(tv.shape, tv.dtype, "output", names[len(self.outputs)],
-                                  tuple(e is not None for e in tv.ext) if tv.ext is not None else ())
+            dynamic = tuple(e is not None for e in tv.ext) if tv.ext is not None else ()
+            buf = self.new_buffer(tv.shape, tv.dtype, "output", names[len(self.outputs)], dynamic)
             if buf.dynamic and any(len(e) > 1 for e in tv.ext if e is not None):
                 raise LoweringError(f"output {i} has a merged dynamic dimension; return it with "
                                     "each dynamic dimension separate")
@@ -566,9 +566,8 @@ class Lowering:
             self.outputs.append(buf)
             self.node = value
             self.realize(tv, into=buf)
-        for value, spec in mutations:
-            self.node = value
-            self.write_state(self.state_buffer(spec.target), self.env.get(value))
+        self.write_states([(value, self.state_buffer(spec.target), self.env.get(value))
+                           for value, spec in mutations])
 
     # ---- index checks (format 3.3) ------------------------------------------------------------
     def check_index(self, node, index: Expr, source: Expr, size: Expr, size_value) -> Expr:
@@ -604,6 +603,23 @@ class Lowering:
                 return buf
         raise LoweringError(f"internal: no state buffer {name!r}")
 
+    def write_states(self, updates) -> None:
+        """Store the new values of the mutated buffers ((FX node, buffer, value) each), one after
+        the other. A value that reads the old value of a buffer an earlier update overwrites (two
+        states exchanging values) is put into the arena before the first update stores anything,
+        so it reads what the program read."""
+        values, overwritten = [], set()
+        for node, buf, tv in updates:
+            self.node = node
+            if isinstance(tv, TV) and any(load.buf.index in overwritten for load in loads(tv.expr)):
+                tv = self.realize(tv, into=self.new_buffer(tv.shape, tv.dtype))
+            values.append(tv)
+            if not _is_whole(tv, buf):   # stored (an in-place update stored nothing)
+                overwritten.add(buf.index)
+        for (node, buf, _), tv in zip(updates, values):
+            self.node = node
+            self.write_state(buf, tv)
+
     def write_state(self, buf: Buffer, tv) -> None:
         """The new value of a mutated buffer. An in-place update (a scatter into the buffer)
         already left it there; anything else is stored at the end of the program. A value that
@@ -614,8 +630,7 @@ class Lowering:
             raise LoweringError(f"buffer {buf.name!r} {list(buf.shape)} is assigned a value of "
                                 f"shape {list(tv.shape)}; session state has a static shape")
         expr = tv.expr
-        if (isinstance(expr, Load) and expr.buf is buf and expr.offset == 0
-                and expr.strides == contiguous_strides(buf.shape)):
+        if _is_whole(tv, buf):
             return   # updated in place
         if any(load.buf is buf for load in loads(expr)):
             tv = self.realize(tv, into=self.new_buffer(tv.shape, tv.dtype))
@@ -633,6 +648,13 @@ class Lowering:
         if isinstance(tv, TV) and isinstance(tv.expr, Load) and tv.expr.buf.kind == "state":
             return tv.expr.buf
         return None
+
+
+def _is_whole(tv, buf: Buffer) -> bool:
+    """`tv` is `buf` itself, as it is in memory (a state updated in place is its own new value)."""
+    expr = tv.expr if isinstance(tv, TV) else None
+    return (isinstance(expr, Load) and expr.buf is buf and expr.offset == 0
+            and expr.strides == contiguous_strides(buf.shape))
 
 
 def _weight_key(tensor: torch.Tensor):

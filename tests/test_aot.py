@@ -50,6 +50,32 @@ def test_fusion_returns_new_kernels_and_leaves_the_lowered_ones_alone():
     assert fused is not prog.kernels
 
 
+def test_fusion_keeps_reads_of_state_before_its_writes():
+    """Folding a state's store into the kernel that computed its value moves that kernel to the
+    store's place: not past another store into a state it reads (it would read the new value), and
+    not when it would read its own target at other elements than it stores (a race between its
+    programs)."""
+    from grace.aot.families import Pointwise
+    from grace.aot.ir import Buffer, Kernel, Load, Op
+
+    a, b = (Buffer(n, "state", "float32", (64, 64), i) for n, i in (("a", 1), ("b", 2)))
+    t = Buffer("t", "arena", "float32", (64, 64), 3)
+    x = Buffer("x", "input", "float32", (64, 64), 4)
+
+    def pointwise(out, value, label):
+        return Kernel(Pointwise(), out, (64, 64), value, label=label)
+
+    new_b = pointwise(t, Op("mul", [Load(a, 0, (64, 1)), Load(x, 0, (64, 1))], "float32"), "new_b")
+    store_a = pointwise(a, Load(x, 0, (64, 1)), "state a")
+    store_b = pointwise(b, Load(t, 0, (64, 1)), "state b")
+    assert fuse.fuse_epilogues([new_b, store_a, store_b]) == [new_b, store_a, store_b]
+    (fused,) = fuse.fuse_epilogues([new_b, store_b])   # nothing in between: folded
+    assert fused.out is b and fused.label == "new_b+state b"
+    flipped = pointwise(t, Load(a, 63 * 64, (-64, 1)), "flip")
+    store = pointwise(a, Load(t, 0, (64, 1)), "state a")
+    assert fuse.fuse_epilogues([flipped, store]) == [flipped, store]
+
+
 def test_a_slice_by_item_tightens_its_clamp_in_a_new_kernel():
     """x[:n.item()] bounds n by x's size: the `.item()` kernel emitted before the slice is replaced
     (Lowering.replace_kernel) by one that clamps to 12, not to the 40 torch._check allowed, and

@@ -10,8 +10,9 @@ pytest.importorskip("triton")
 import dataclasses  # noqa: E402
 
 from grace.aot import compiler, export, fuse, lower, memplan, verify_ir  # noqa: E402
-from grace.aot.families import Pointwise  # noqa: E402
-from grace.aot.ir import Acc, Buffer, Const, Expr, Kernel, Load, Op, Reindex, DimMap, Spec  # noqa: E402
+from grace.aot.families import Pointwise, Reduction, Scatter  # noqa: E402
+from grace.aot.ir import (Acc, Buffer, Const, DimMap, Expr, Index, Kernel, Load, Op,  # noqa: E402
+                          Reindex, Spec)
 from grace.aot.verify_ir import IRVerifyError  # noqa: E402
 from grace.tools import models  # noqa: E402
 
@@ -144,6 +145,71 @@ def test_indices_are_numbered_where_buffers_are_made(llama):
     assert all(b.name == f"buf{b.index}" for b in bufs.values() if b.kind == "arena")
     assert max(bufs) < program.next_index
     assert all(i >= 1 or b.kind in ("extents", "errors") for i, b in bufs.items())
+
+
+def _partial_write_chain():
+    """t written whole, read, two of its rows scattered into, read again (into two outputs)."""
+    t = Buffer("t", "arena", "float32", (4, 8), 3)
+    y1, y2 = (Buffer(n, "output", "float32", (4, 8), i) for n, i in (("y1", 4), ("y2", 5)))
+    rows = Kernel(Scatter(coords=(Index(0), Index(1))), t, (2, 8), Load(X, 0, (8, 1)),
+                  label="scatter")
+    return t, [_pointwise(t, Load(X, 0, (8, 1)), "whole"), _pointwise(y1, Load(t, 0, (8, 1)), "r1"),
+               rows, _pointwise(y2, Load(t, 0, (8, 1)), "r2")]
+
+
+def test_a_partial_write_defines_nothing():
+    """A scatter writes part of a buffer that keeps the rest of its whole write: the buffer lives
+    from the whole write (no other buffer takes its bytes in between), the scatter waits for the
+    reader of the value it changes (write-after-read), and the reader after it waits for it and,
+    through it, for the whole write."""
+    t, kernels = _partial_write_chain()
+    verify_ir.check_kernels(kernels)
+    plan = memplan.plan_memory(kernels, [])
+    assert (plan.arena[t.index].first, plan.arena[t.index].last) == (0, 3)
+    deps = memplan.dependencies(kernels, plan)
+    assert deps == [[], [0], [1], [2]]
+    verify_ir.check_order(kernels, deps)
+    with pytest.raises(IRVerifyError, match=r"kernel #3 \(pointwise 'r2'\) reads t but does not "
+                                            r"wait for kernel #2 \(scatter 'scatter'\), which "
+                                            r"wrote it before"):
+        verify_ir.check_order(kernels, [[], [0], [1], [0]])   # as if the scatter defined nothing
+    with pytest.raises(IRVerifyError, match=r"kernel #2 \(scatter 'scatter'\) writes t but does "
+                                            r"not wait for kernel #1 \(pointwise 'r1'\), which "
+                                            r"read it before"):
+        verify_ir.check_order(kernels, [[], [0], [0], [2]])   # write-after-read left out
+    with pytest.raises(IRVerifyError, match=r"kernel #3 .* does not wait for kernel #0 "
+                                            r"\(pointwise 'whole'\)"):
+        verify_ir.check_order(kernels, [[], [0], [], [2]])   # as if the scatter defined all of t
+
+
+def test_partial_writes_go_into_state_or_a_written_arena_buffer():
+    t, kernels = _partial_write_chain()
+    into_output = dataclasses.replace(kernels[2], out=OUT)
+    with pytest.raises(IRVerifyError, match="scatters into the output buffer out"):
+        verify_ir.check_kernels([into_output])
+    with pytest.raises(IRVerifyError, match="scatters into t, which no earlier kernel wrote"):
+        verify_ir.check_kernels(kernels[2:])
+    state = Buffer("cache", "state", "float32", (4, 8), 6)
+    verify_ir.check_kernels([dataclasses.replace(kernels[2], out=state)])
+
+
+def test_a_kernel_reads_what_it_writes_only_where_it_stores():
+    """In place, each program may read only the elements it then stores (n = n + x); anything
+    else may already hold another program's store."""
+    n = Buffer("n", "state", "float32", (4, 8), 6)
+    verify_ir.check_kernels([_pointwise(n, Op("add", [Load(n, 0, (8, 1)), Load(X, 0, (8, 1))],
+                                                 "float32"), "n + x")])
+    flipped = _pointwise(n, Load(n, 24, (-8, 1)), "flip")
+    with pytest.raises(IRVerifyError, match=r"kernel #0 \(pointwise 'flip'\): reads n, which it "
+                                            r"writes, at other elements than the ones it stores"):
+        verify_ir.check_kernels([flipped])
+    scatter = Kernel(Scatter(coords=(Index(0), Index(1))), n, (2, 8), Load(n, 8, (8, 1)))
+    with pytest.raises(IRVerifyError, match="reads n, which it scatters into"):
+        verify_ir.check_kernels([scatter])
+    total = Kernel(Reduction(src=Load(n, 0, (8, 1)), src_shape=(4, 8), src_ext=None, rdims=(1,),
+                             op="sum", acc_dtype="float32"), n, (4,), Acc())
+    with pytest.raises(IRVerifyError, match="reads n, which it writes, through src"):
+        verify_ir.check_kernels([total])
 
 
 def test_a_broken_memory_plan_is_caught(llama):
