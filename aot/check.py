@@ -321,7 +321,7 @@ def _check_buckets(core, name, options, dim_names, buckets, generate, codegen_to
         try:
             lowered = lowering.run()
             if generate:
-                generation.add_state(lowered, dict(generate))
+                lowered = generation.add_state(lowered, dict(generate))
         except Exception as exc:  # noqa: BLE001 - outside any one node: the program's inputs/outputs
             internal = not isinstance(exc, (LoweringError, extents.ShapeError))
             text = " ".join(str(exc).split())

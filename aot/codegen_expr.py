@@ -51,7 +51,7 @@ class Writer:
         self.lines: list[str] = []
         self.indent = 1
         self.params: list = []          # Buffers, in parameter order
-        self._ptr: dict[int, str] = {}
+        self._ptr: dict = {}            # Buffer.index (, "unaligned") -> its pointer variable
         self.prologue: list[str] = []
         self._n = 0
         self.symbols = symbols or {}
@@ -84,14 +84,14 @@ class Writer:
         with scalar loads (docs/op-conformance.md). Gathers at computed indices use it."""
         if not aligned:
             base = self.ptr(buf)
-            key = (id(buf), "unaligned")
+            key = (buf.index, "unaligned")
             if key not in self._ptr:
                 self.prologue.append(f"{base}u = {base} + (tl.program_id(0) >> 31)")
                 self._ptr[key] = f"{base}u"
             return self._ptr[key]
         if self._before_wait and buf.kind != "weight":
             raise NotBeforeWait(f"{buf.kind} buffer {buf.name} before gdc_wait()")
-        key = id(buf)
+        key = buf.index
         if key not in self._ptr:
             name = f"p{len(self.params)}"
             self.params.append(buf)
@@ -129,7 +129,7 @@ class Writer:
             if expr not in self.symbols:
                 raise ValueError(f"size symbol {expr} has no word in the extents table")
             self.ptr(EXTENTS)
-            ext = self._ptr[id(EXTENTS)]
+            ext = self._ptr[EXTENTS.index]
             return self._prologue_value(expr, f"tl.load({ext} + {self.symbols[expr]})", "sz")
         args = [self.extent(a) for a in expr.args]
         if isinstance(expr, sympy.Add):
@@ -152,8 +152,8 @@ class Writer:
     def slot_word(self, buf, word: int) -> str:
         """Word `word` of an I/O buffer's table slot: 1 + d is size d, 1 + rank + d stride d."""
         self.ptr(buf)
-        return self._prologue_value((id(buf), word), f"tl.load({self._ptr[id(buf)]}_slot + {word})",
-                                    "io")
+        return self._prologue_value((buf.index, word),
+                                    f"tl.load({self._ptr[buf.index]}_slot + {word})", "io")
 
     def user_address(self, buf, dims) -> tuple[str, list[str]]:
         """Element offset and bounds terms for a user tensor with dynamic dimensions, at the index

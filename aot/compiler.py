@@ -11,7 +11,7 @@ decompositions and symbols are shared; each target lowers, fuses, plans and gene
 graphs, so two targets take about twice as long as one. Kernels of identical source are built once
 per arch and stored once; so are graphs identical across targets (aot/manifest.py).
 Between stages, GRACE_DUMP=DIR writes each state (aot/dump.py), GRACE_VERIFY=1 checks the IR
-after lower, fuse and memplan (aot/verify_ir.py), and the override stage applies
+after lower, fuse, memplan and codegen (aot/verify_ir.py), and the override stage applies
 GRACE_OVERRIDE=DIR (kernel sources by name). docs/architecture.md, "Seeing between the stages".
 
 Options are a frozen dataclass: hashable, validated once, recorded in the manifest.
@@ -241,8 +241,8 @@ def _say(options: CompileOptions, msg: str):
 # Stages with `per_bucket` run once per shape bucket (one graph each), bucket by bucket in the
 # order of extents.combinations, on that bucket's BucketState; the others run once on the
 # CompileState. GRACE_DUMP=DIR writes the state after every stage (aot/dump.py), GRACE_VERIFY=1
-# checks the IR after lower, fuse and memplan (aot/verify_ir.py), GRACE_OVERRIDE=DIR swaps kernel
-# sources by name before the build (the `override` stage).
+# checks the IR after lower, fuse, memplan and codegen (aot/verify_ir.py), GRACE_OVERRIDE=DIR
+# swaps kernel sources by name before the build (the `override` stage).
 
 
 @dataclass
@@ -333,17 +333,16 @@ def _symbols(st: CompileState) -> CompileState:
 
 def _lower(b: BucketState, st: CompileState) -> BucketState:
     """lower: the program lowered with every input symbol at its bucket bound (ir.Program),
-    outputs named after the model's, session state added for --generate."""
+    outputs named after the model's (logits, ...), session state added for --generate."""
     bucket = {s.expr: b.bounds[s.name] for s in st.symbols if s.kind == "input"}
     try:
         b.program = lower.lower(st.core, st.name, _target(b, st).lowering_options(st.options),
-                                bucket)
+                                bucket, st.output_names)
     except (lower.LoweringError, extents.ShapeError) as exc:
         relocate(exc, st.core)   # "used at" the user's line, not torch/nn/modules/*.py
         raise
-    manifest.name_outputs(b.program, st.output_names)   # the model's own names (logits, ...)
     if st.options.generate:
-        generation.add_state(b.program, dict(st.options.generate))
+        b.program = generation.add_state(b.program, dict(st.options.generate))
     return b
 
 
@@ -393,7 +392,7 @@ def _table(st: CompileState) -> CompileState:
     _check_same_interface(st.graphs)
     st.checks = manifest.index_checks(st.graphs, st.symbols)   # gathers' bounds checks (3.3)
     layouts = [manifest.table_layout(g.program, len(st.symbols), bool(st.checks))
-               for g in st.graphs]  # sets buf.slot
+               for g in st.graphs]
     if any(layout != layouts[0] for layout in layouts[1:]):
         raise lower.LoweringError("internal: buckets lowered to different argument tables")
     st.layout = layouts[0]
@@ -507,13 +506,17 @@ def _verify_plan(b: BucketState, st: CompileState) -> None:
     verify_ir.check_plan(b.plan, b.kernels, b.program, "memplan", b.name)
 
 
+def _verify_order(b: BucketState, st: CompileState) -> None:
+    verify_ir.check_order(b.kernels, b.graph.deps, "codegen", b.name)
+
+
 PIPELINE: tuple[Stage, ...] = (
     Stage("export", _export),
     Stage("symbols", _symbols),
     Stage("lower", _lower, per_bucket=True, verify=_verify_lowered),
     Stage("fuse", _fuse, per_bucket=True, verify=_verify_fused),
     Stage("memplan", _memplan, per_bucket=True, verify=_verify_plan),
-    Stage("codegen", _codegen, per_bucket=True),
+    Stage("codegen", _codegen, per_bucket=True, verify=_verify_order),
     Stage("table", _table),
     Stage("override", _override),
     Stage("build", _build),

@@ -211,7 +211,7 @@ def _memplan(b, _):
                                 ("state", b.program.state, plan.state or {})):
         if bufs:
             lines.append(f"{what}:")
-            lines += [f"  {w.name:<24} offset {offsets.get(id(w))}  {w.nbytes} B  "
+            lines += [f"  {w.name:<24} offset {offsets.get(w.index)}  {w.nbytes} B  "
                       f"{w.dtype}{list(w.shape)}" for w in bufs]
     return "\n".join(lines) + "\n"
 

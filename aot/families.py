@@ -25,7 +25,7 @@ import sympy
 
 from . import codegen
 from .codegen import AttentionPlan, GemmPlan
-from .ir import Expr, Kernel, Spec, numel
+from .ir import Expr, Kernel, Spec, identity_load, loads, numel, only_ops_above
 
 
 # ---- the specs ---------------------------------------------------------------------------------
@@ -285,7 +285,8 @@ class Family:
     # and it may be such a reader itself (fusable_consumer)
     fusable_producer: bool = False
     fusable_consumer: bool = False
-    # it writes part of a buffer an earlier kernel wrote (a value of its own it has not)
+    # it writes part of a buffer: session state, or an arena buffer an earlier kernel wrote whole
+    # (a value of its own it has not); the IR contract of partial writes is in aot/ir.py
     scatters: bool = False
     # it stores a size symbol's word of the extents table (data-dependent sizes): it always runs,
     # and the kernels that read the extents after it depend on it
@@ -320,3 +321,24 @@ def of(kernel: Kernel) -> Family:
     except KeyError:
         raise KeyError(f"kernel family {kernel.family!r} ({type(kernel.spec).__name__}) is not in "
                        "the registry (aot/families.py FAMILIES)") from None
+
+
+def in_place_problem(kernel: Kernel) -> str | None:
+    """How `kernel` reads the buffer it writes where another of its programs may already have
+    overwritten it, or None. A kernel may read its `out` only in its epilogue, at the element it
+    is about to store (each program reads what it then overwrites, nothing another program
+    writes): a pointwise update of session state in place, `n = n + x`. Never through its spec's
+    operands (read across rows and tiles), nor when it scatters (it stores elsewhere than it
+    computes)."""
+    out = kernel.out
+    for name, expr in kernel.spec.exprs():
+        if any(load.buf is out for load in loads(expr)):
+            return f"reads {out.name}, which it writes, through {name}"
+    if not any(load.buf is out for load in loads(kernel.epilogue)):
+        return None
+    if of(kernel).scatters:
+        return f"reads {out.name}, which it scatters into"
+    epilogue = kernel.epilogue
+    if identity_load(epilogue, kernel.out_shape, out) and only_ops_above(epilogue, out):
+        return None
+    return f"reads {out.name}, which it writes, at other elements than the ones it stores"

@@ -6,11 +6,16 @@ kernel element for element — a GEMM followed by GELU, a residual add after an 
 the copy of a result into a graph output. Such a consumer is folded into the producer's store:
 the producer's epilogue becomes the consumer's expression with the producer's value in place of
 the load, and the producer writes the consumer's buffer directly.
+
+The pass returns new kernels (the fused producer is a new Kernel) in a new list: the lowered
+program's kernels are left as they were, so the `lower` stage's state stays what it printed.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import families
-from .ir import Kernel, Load, Op, is_contiguous, loads, numel, walk
+from .ir import Kernel, Load, Op, identity_load, numel, only_ops_above
 from .views import reshape
 
 
@@ -18,20 +23,8 @@ def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
     readers: dict[int, list[int]] = {}
     for i, k in enumerate(kernels):
         for buf in k.reads():
-            readers.setdefault(id(buf), []).append(i)
+            readers.setdefault(buf.index, []).append(i)
     return readers
-
-
-def _identity_load(expr, shape, buf) -> bool:
-    """Every load of `buf` in `expr` (over `shape`) reads element i at flat index i."""
-    found = False
-    for load in loads(expr):
-        if load.buf is not buf:
-            continue
-        found = True
-        if load.offset != 0 or not is_contiguous(load.strides, shape):
-            return False
-    return found
 
 
 def _substitute(expr, buf, value):
@@ -53,38 +46,43 @@ def _substitute(expr, buf, value):
 
 
 def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
+    """The kernels after epilogue fusion, as a new list (`kernels` and its kernels unchanged)."""
+    kernels = list(kernels)
     changed = True
     while changed:
         changed = False
-        producer_of = {id(k.out): i for i, k in enumerate(kernels)}
+        # a buffer's last writer: one that a scatter writes into after its whole writer is the
+        # scatter's (no fusable producer), so its whole writer is never folded away
+        producer_of = {k.out.index: i for i, k in enumerate(kernels)}
         readers = _readers(kernels)
         for j, consumer in enumerate(kernels):
             if not families.of(consumer).fusable_consumer:
                 continue
             for buf in consumer.reads():
-                i = producer_of.get(id(buf))
-                if i is None or buf.kind != "arena" or readers.get(id(buf)) != [j]:
+                i = producer_of.get(buf.index)
+                if i is None or buf.kind != "arena" or readers.get(buf.index) != [j]:
                     continue
                 if consumer.out.dynamic:   # user memory of the true size: stored by its own kernel
                     continue
                 producer = kernels[i]
                 if not families.of(producer).fusable_producer or producer.spec.writes_partials:
                     continue   # split-K / split-KV partials: their reader applies the epilogue
+                if _overwritten_before(kernels, i, j):
+                    continue
                 if numel(producer.out_shape) != numel(consumer.out_shape):
                     continue
-                if not _identity_load(consumer.epilogue, consumer.out_shape, buf):
+                if not identity_load(consumer.epilogue, consumer.out_shape, buf):
                     continue
                 expr = reshape(consumer.epilogue, consumer.out_shape, producer.out_shape)
                 # after the reshape the load of `buf` must still be the identity
-                if (not _identity_load(expr, producer.out_shape, buf)
-                        or not _only_ops_above(expr, buf)):
+                if (not identity_load(expr, producer.out_shape, buf)
+                        or not only_ops_above(expr, buf)):
                     continue
-                producer.epilogue = _substitute(expr, buf, producer.epilogue)
-                producer.out = consumer.out
-                parts = producer.label.split("+")   # each op named once (a copy of `mm` adds none)
-                parts += [p for p in consumer.label.split("+") if p and p not in parts]
-                producer.label = "+".join(parts)
-                kernels = kernels[:i] + kernels[i + 1:j] + [producer] + kernels[j + 1:]
+                fused = replace(producer, epilogue=_substitute(expr, buf, producer.epilogue),
+                                out=consumer.out, label=_joined(producer.label, consumer.label))
+                if families.in_place_problem(fused):
+                    continue   # it would read what its own programs overwrite (a state update)
+                kernels = kernels[:i] + kernels[i + 1:j] + [fused] + kernels[j + 1:]
                 changed = True
                 break
             if changed:
@@ -92,13 +90,17 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
     return kernels
 
 
-def _only_ops_above(expr, buf) -> bool:
-    """The loads of `buf` hang directly under pointwise ops (no reindexing in between), so the
-    producer's value at the output index can replace them."""
-    for node in walk(expr):
-        if isinstance(node, Op) or isinstance(node, Load):
-            continue
-        if any(isinstance(n, Load) and n.buf is buf for n in walk(node)):
-            return False
-    return True
+def _overwritten_before(kernels: list[Kernel], i: int, j: int) -> bool:
+    """A kernel between the producer (i) and its consumer (j) writes a buffer the producer reads:
+    fused, the producer runs at the consumer's place, after that write, and would read the new
+    value (an update of session state that an earlier state update reads the old value of)."""
+    read = {b.index for b in kernels[i].reads()}
+    return any(k.out.index in read for k in kernels[i + 1:j])
 
+
+def _joined(producer: str, consumer: str) -> str:
+    """The fused kernel's label: the producer's ops, then the consumer's that are new (each op
+    named once: a copy of `mm` adds none)."""
+    parts = producer.split("+")
+    parts += [p for p in consumer.split("+") if p and p not in parts]
+    return "+".join(parts)

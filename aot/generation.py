@@ -9,12 +9,12 @@ decode steps inside one CUDA graph WHILE loop (docs/design-state.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .codegen import KernelSource, generate_step_source
-from .ir import Buffer
+from .ir import Buffer, Program
 from .lower import LoweringError
 
 # the generation's state entries (a model with a buffer of one of these names is refused)
@@ -68,18 +68,20 @@ def add_decode_bucket(core, symbols, lists: dict, spec: dict) -> None:
     lists[sym.name] = sorted({1, *lists[sym.name]})
 
 
-def add_state(program, spec: dict) -> None:
-    """Append the generation's state buffers to a lowered program (every graph gets the same
-    ones, so they have the same offsets in each)."""
+def add_state(program: Program, spec: dict) -> Program:
+    """The lowered program with the generation's state buffers after its own (every graph gets
+    the same ones, so they have the same offsets in each), numbered from its next index."""
     taken = {b.name for b in program.state}
     if taken & {CTRL, OUT_TOKENS, NEXT_TOKEN, NEXT_POSITION}:
         raise LoweringError("the model has a buffer named generate.*, which --generate uses")
     capacity = _capacity(program, spec)
-    for name, shape in ((CTRL, (4,)), (OUT_TOKENS, (capacity,)), (NEXT_TOKEN, (1, 1)),
-                        (NEXT_POSITION, (1,))):
-        buf = Buffer(name, "state", "int64", shape)
-        program.state.append(buf)
-        program.state_data[name] = torch.zeros(shape, dtype=torch.int64)
+    shapes = ((CTRL, (4,)), (OUT_TOKENS, (capacity,)), (NEXT_TOKEN, (1, 1)), (NEXT_POSITION, (1,)))
+    added = [Buffer(name, "state", "int64", shape, program.next_index + i)
+             for i, (name, shape) in enumerate(shapes)]
+    return replace(program, state=program.state + added,
+                   state_data={**program.state_data,
+                               **{b.name: torch.zeros(b.shape, dtype=torch.int64) for b in added}},
+                   next_index=program.next_index + len(added))
 
 
 def _capacity(program, spec: dict) -> int:

@@ -8,8 +8,25 @@ kernel of its own: it is evaluated inside whichever kernel reads it (prologue fu
 `fuse.py` folds pointwise consumers into the store of the kernel that produced their input
 (epilogue fusion).
 
-Every `Kernel` writes exactly one contiguous buffer. Sizes here are the bucket's (static); which
-elements are real is described by extents (`extents.py`) that kernels evaluate on the device.
+Every `Kernel` writes one buffer, its `out`. Most write it whole: their value at every index of
+their index space, row-major (contiguous), which defines the buffer (an arena buffer is written
+whole once). A family whose registry entry `scatters` (families.Scatter: index_put, scatter,
+index_add, KV-cache updates) writes *part* of a buffer instead, at positions it computes on the
+device, into session state or into an arena buffer an earlier kernel wrote whole (a copy of the
+old value); the elements it skips keep theirs. A partial write defines nothing on its own: the
+memory plan keeps the buffer live from its whole write (memplan.plan_memory), and the graph's
+edges count it as a write of the whole buffer (memplan.dependencies), so its readers wait for it
+and for the writes before it, and it waits for those writes and for every reader of the value it
+changes (write-after-read). A kernel reads the buffer it writes only at the element it stores
+(families.in_place_problem). The `writes_extents` families also store a size into a word of the
+extents table, and are ordered against every kernel that reads the extents. The verifier checks
+all of it (aot/verify_ir.py).
+
+The IR's objects never change once made: `Buffer`, `Kernel`, its `Spec` and `Program` are frozen,
+so a pass returns new ones (`dataclasses.replace`) and the state a stage handed on stays what it
+was. Plans and maps key buffers by `Buffer.index`, never by `id()`. Sizes here are the bucket's
+(static); which elements are real is described by extents (`extents.py`) that kernels evaluate on
+the device.
 """
 from __future__ import annotations
 
@@ -55,19 +72,27 @@ def compute_dtype(dtype: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Buffers
 # ----------------------------------------------------------------------------------------------
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Buffer:
     """A piece of device memory. kind: weight | arena | state | input | output | extents | errors.
     `state` buffers belong to the session and outlive a call (KV caches); `errors` is the one
-    table word that index checks report into (ERRORS)."""
+    table word that index checks report into (ERRORS). A weight's data is kept by the program
+    (`Program.weight_data`), an input's or output's table slot by the table layout
+    (manifest.slot_of): a buffer is what kernels address, frozen once made, since the kernels of
+    every stage share it.
+
+    `index` is the buffer's number in its program: unique there, assigned where the buffer is
+    made (Lowering.new_buffer counts 1, 2, ... in creation order, so `buf7` is index 7; a pass that
+    adds buffers numbers them from `Program.next_index`) and the same in any copy of the object.
+    Plans and maps key buffers by it, never by `id()`, so they survive a pass that returns new
+    objects. Indices of two lowerings (two buckets) are unrelated: a plan belongs to the program
+    it was made for."""
 
     name: str
     kind: str
     dtype: str
     shape: tuple[int, ...]
-    # weight: the tensor's data (numpy-compatible bytes) is kept by the lowering context.
-    # input/output: index of the argument-table slot.
-    slot: int | None = None
+    index: int
     # input/output with a dynamic dimension: per dimension whether it is dynamic (empty when none
     # is). The caller's true sizes and strides are read from the table slot, so loads of such a
     # buffer never fold views into static strides (views.remap).
@@ -227,6 +252,32 @@ def loads(expr: Expr) -> list[Load]:
     return [n for n in walk(expr) if isinstance(n, Load)]
 
 
+def identity_load(expr: Expr, shape, buf: Buffer) -> bool:
+    """`expr` (evaluated over `shape`) loads `buf`, and every load of it reads element i at flat
+    index i."""
+    found = False
+    for load in loads(expr):
+        if load.buf is not buf:
+            continue
+        found = True
+        if load.offset != 0 or not is_contiguous(load.strides, shape):
+            return False
+    return found
+
+
+def only_ops_above(expr: Expr, buf: Buffer) -> bool:
+    """The loads of `buf` in `expr` hang directly under pointwise ops (no reindexing in between),
+    so they are evaluated at the index `expr` is: with `identity_load`, they read `buf` at the very
+    element being computed (what epilogue fusion replaces by the producer's value, and all a kernel
+    may read of the buffer it writes)."""
+    for node in walk(expr):
+        if isinstance(node, Op) or isinstance(node, Load):
+            continue
+        if any(isinstance(n, Load) and n.buf is buf for n in walk(node)):
+            return False
+    return True
+
+
 def expr_size(expr: Expr) -> int:
     return sum(1 for _ in walk(expr))
 
@@ -257,10 +308,12 @@ def is_cheap(expr: Expr, limit: int = 24, row: bool = False) -> bool:
 ROW_OPERAND_NODES = 64
 
 
-EXTENTS = Buffer("extents", "extents", "int64", (0,))   # the extents table (symbol values)
+# The table's words, one buffer each in every program; negative indices, so that they never meet
+# a lowering's (which count from 1).
+EXTENTS = Buffer("extents", "extents", "int64", (0,), -1)   # the extents table (symbol values)
 # the error word of the table (format 3.3): a gather whose index is out of range stores the code
 # of its check here (Op "check_index"); kernels only ever store into it, and the runtime reads it
-ERRORS = Buffer("errors", "errors", "int64", (1,))
+ERRORS = Buffer("errors", "errors", "int64", (1,), -2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -347,11 +400,15 @@ def _expr_fields(cls) -> dict[str, str]:
     return kinds
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Kernel:
     """One kernel launch. It computes a value per index of `out_shape` (what, is its family's
     `spec`: a pointwise expression, a reduction, a GEMM tile, attention) and stores `epilogue` —
-    an expression in which `Acc` is that value — into `out` (contiguous)."""
+    an expression in which `Acc` is that value — into `out`: whole and contiguous, or, for a
+    family that scatters, at the positions its spec computes (the module docstring).
+
+    Frozen, like its spec and its buffer: a pass that changes a kernel returns a new one
+    (`dataclasses.replace`), so the kernels a stage handed on stay what that stage made."""
 
     spec: Spec
     out: Buffer
@@ -377,7 +434,7 @@ class Kernel:
         seen: dict[int, Buffer] = {}
         for expr in self.exprs():
             for load in loads(expr):
-                seen.setdefault(id(load.buf), load.buf)
+                seen.setdefault(load.buf.index, load.buf)
         return list(seen.values())
 
     def __repr__(self) -> str:
@@ -388,9 +445,10 @@ class Kernel:
         return format_kernel(self)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Program:
-    """The lowered model: kernels in execution order plus the buffers they touch."""
+    """The lowered model: kernels in execution order plus the buffers they touch. Frozen: a pass
+    that adds to it (generation.add_state) returns a new Program."""
 
     kernels: list[Kernel]
     inputs: list[Buffer]
@@ -408,6 +466,8 @@ class Program:
     state_index_sizes: list = field(default_factory=list)
     # the gathers' index checks: {"code", "input", "op", "where", "size"} (Lowering.check_index)
     index_checks: list = field(default_factory=list)
+    # the index the next buffer made for this program takes (Buffer.index)
+    next_index: int = 1
 
     def __repr__(self) -> str:
         return (f"Program({self.name!r}: {len(self.kernels)} kernels, {len(self.inputs)} inputs, "
@@ -564,16 +624,15 @@ def format_ir(program: "Program | None" = None, kernels: list[Kernel] | None = N
     inner: list[Buffer] = []
     for k in kernels:
         for b in [k.out] + k.reads():
-            if b.kind in ("arena", "extents", "errors") and id(b) not in seen:
-                seen.add(id(b))
+            if b.kind in ("arena", "extents", "errors") and b.index not in seen:
+                seen.add(b.index)
                 inner.append(b)
     groups.append(("intermediates", inner))
     lines.append("buffers:")
     for what, bufs in groups:
         if bufs:
             lines.append(f"  {what}:")
-            lines += [f"    {_buf_text(b)}" + (f"  slot {b.slot}" if b.slot is not None else "")
-                      for b in bufs]
+            lines += [f"    {_buf_text(b)}" for b in bufs]
     lines.append(f"kernels ({len(kernels)}):")
     for i, k in enumerate(kernels):
         lines += ["  " + ln for ln in format_kernel(k, i).splitlines()]

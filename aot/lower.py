@@ -7,6 +7,7 @@ compile error that names the op and the line of the user's model it came from.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -91,9 +92,12 @@ class Lowering:
     every kernel which elements are real."""
 
     def __init__(self, program: ExportedProgram, name: str, options: dict | None = None,
-                 bucket: dict | None = None):
+                 bucket: dict | None = None, output_names: list[str] | None = None):
         self.program = program
         self.name = name
+        # the package's output names, one per user output (compiler.program_output_names);
+        # None: out, or out0, out1, ...
+        self.output_names = output_names
         self.options = {**DEFAULT_OPTIONS, **(options or {})}
         self.bucket = dict(bucket or {})
         # sizes computed on the device (nonzero, .item()): every symbol that is not an input's
@@ -102,7 +106,7 @@ class Lowering:
         self.pinned = {sym for sym, bound in self.bucket.items()
                        if sym in program.range_constraints
                        and int(program.range_constraints[sym].lower) >= bound}
-        self.item_kernels: dict = {}     # data symbol -> the kernel that writes it (.item())
+        self.item_kernels: dict = {}     # data symbol -> where in `kernels` it is written (.item())
         self.dynamic = bool(program.range_constraints)
         self.kernels: list[Kernel] = []
         self.inputs: list[Buffer] = []
@@ -125,7 +129,7 @@ class Lowering:
         # pass their input's on), so a kernel that realises a value is labelled by what it
         # computes, not by the consumer that needed it in memory (`label_of`)
         self._origin: dict[int, tuple] = {}
-        self._count = 0
+        self._count = 0   # the buffers made so far: the last one's Buffer.index
         self.node: torch.fx.Node | None = None
         self.folded: dict = {}
         self.sizes: dict = {}
@@ -163,15 +167,17 @@ class Lowering:
         return tuple(self.entry_of(s) for s in node.meta["val"].shape)
 
     # ---- buffers and kernels ----------------------------------------------------------------
-    def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None) -> Buffer:
+    def new_buffer(self, shape, dtype: str, kind: str = "arena", name: str | None = None,
+                   dynamic: tuple = ()) -> Buffer:
         self._count += 1
-        return Buffer(name or f"buf{self._count}", kind, dtype, tuple(int(s) for s in shape))
+        return Buffer(name or f"buf{self._count}", kind, dtype, tuple(int(s) for s in shape),
+                      self._count, dynamic)
 
     def emit(self, kernel: Kernel, value: bool = True) -> TV:
         """Append the kernel; return its result as a value, unless it is none (a scatter writes
         part of an existing buffer; `value=False`: scratch whose layout only its reader knows)."""
         if not kernel.label and self.node is not None:
-            kernel.label = self.node.name
+            kernel = dataclasses.replace(kernel, label=self.node.name)
         self.kernels.append(kernel)
         if families.of(kernel).scatters or not value:
             return None
@@ -179,6 +185,15 @@ class Lowering:
         if ext is not None and tuple(kernel.out.shape) != tuple(kernel.out_shape):
             ext = extents.regroup(kernel.out_shape, ext, kernel.out.shape)
         return views.contiguous_load(kernel.out, ext)
+
+    def replace_kernel(self, at: int, kernel: Kernel) -> None:
+        """Put `kernel` in place of the kernel emitted at position `at`, which writes the same
+        buffer (a later node told more about it: a slice bounds an `.item()` size, so its clamp
+        tightens). The emitted kernel itself is never changed: kernels are frozen."""
+        old = self.kernels[at]
+        if kernel.out is not old.out or kernel.family != old.family:
+            raise AssertionError(f"internal: kernel #{at} ({old!r}) replaced by {kernel!r}")
+        self.kernels[at] = kernel
 
     def realize(self, tv: TV, into: Buffer | None = None) -> TV:
         """Make `tv` live in memory (contiguous). A value that already is a whole buffer is free."""
@@ -227,12 +242,12 @@ class Lowering:
         # a view the handler rebuilt (its ops are new objects): the input of the node being
         # lowered whose value reads every buffer it reads
         if self.node is not None:
-            bufs = {id(load.buf) for load in loads(expr)}
+            bufs = {load.buf.index for load in loads(expr)}
             for n in self.node.all_input_nodes:
                 v = self.env.get(n)
                 hit = self._origin.get(id(v.expr)) if isinstance(v, TV) else None
                 if (hit is not None and hit[0] is v.expr
-                        and bufs <= {id(load.buf) for load in loads(v.expr)}):
+                        and bufs <= {load.buf.index for load in loads(v.expr)}):
                     return hit[1]
         return ""
 
@@ -275,7 +290,7 @@ class Lowering:
         self._drop_unread_weights()
         return Program(self.kernels, self.inputs, self.outputs, self.weights, self.weight_data,
                        self.name, self.sizes, dict(self.bucket), self.state, self.state_data,
-                       list(self.state_index_sizes), list(self.index_checks))
+                       list(self.state_index_sizes), list(self.index_checks), self._count + 1)
 
     def data_symbol(self, node, bound: int):
         """Declare the unbacked symbol of `node`'s result (a size a kernel computes on the
@@ -299,8 +314,7 @@ class Lowering:
                                     "only tensor inputs are supported")
             ext = tuple(self.entry_of(d) for d in val.shape)
             buf = self.new_buffer([self.size_of(d) for d in val.shape], dtype_name(val.dtype), "input",
-                                  node.name)
-            buf.dynamic = tuple(e is not None for e in ext) if any(ext) else ()
+                                  node.name, tuple(e is not None for e in ext) if any(ext) else ())
             self.sizes[buf.name] = tuple(val.shape)
             self.inputs.append(buf)
             return views.contiguous_load(buf, ext)
@@ -426,9 +440,9 @@ class Lowering:
             self._placeholders_of = {}
             for n, v in self.env.items():
                 if n.op == "placeholder" and isinstance(v, TV) and isinstance(v.expr, Load):
-                    key = id(v.expr.buf)
+                    key = v.expr.buf.index
                     self._placeholders_of[key] = self._placeholders_of.get(key, 0) + 1
-        return self._placeholders_of.get(id(tv.expr.buf)) == 1
+        return self._placeholders_of.get(tv.expr.buf.index) == 1
 
     def weight_tensor(self, node) -> torch.Tensor:
         return self.weight_data[self.env[node].expr.buf.name]
@@ -436,8 +450,8 @@ class Lowering:
     def _drop_unread_weights(self) -> None:
         """Weights no kernel reads (a convolution's weights once a batch norm is folded into a
         copy of them) are not stored in the package."""
-        read = {id(buf) for kernel in self.kernels for buf in kernel.reads()}
-        unread = [b for b in self.weights if id(b) not in read]
+        read = {buf.index for kernel in self.kernels for buf in kernel.reads()}
+        unread = [b for b in self.weights if b.index not in read]
         for buf in unread:
             self.weights.remove(buf)
             self.weight_data.pop(buf.name, None)
@@ -524,6 +538,11 @@ class Lowering:
         read a buffer's old value, so the state is written last (after every such reader)."""
         values = node.args[0]
         user_outputs = [spec for spec in sig.output_specs if spec.kind == OutputKind.USER_OUTPUT]
+        names = self.output_names or (["out"] if len(user_outputs) == 1 else
+                                      [f"out{i}" for i in range(len(user_outputs))])
+        if len(names) != len(user_outputs):
+            raise AssertionError(f"internal: {len(names)} output names for {len(user_outputs)} "
+                                 "outputs")
         mutations = []
         for i, (value, spec) in enumerate(zip(values, sig.output_specs)):
             if spec.kind == OutputKind.BUFFER_MUTATION:
@@ -534,9 +553,8 @@ class Lowering:
             tv = self.env.get(value) if isinstance(value, torch.fx.Node) else None
             if not isinstance(tv, TV):
                 raise LoweringError(f"output {i} is not a tensor; only tensor outputs are supported")
-            name = f"out{len(self.outputs)}" if len(user_outputs) > 1 else "out"
-            buf = self.new_buffer(tv.shape, tv.dtype, "output", name)
-            buf.dynamic = tuple(e is not None for e in tv.ext) if tv.ext is not None else ()
+            dynamic = tuple(e is not None for e in tv.ext) if tv.ext is not None else ()
+            buf = self.new_buffer(tv.shape, tv.dtype, "output", names[len(self.outputs)], dynamic)
             if buf.dynamic and any(len(e) > 1 for e in tv.ext if e is not None):
                 raise LoweringError(f"output {i} has a merged dynamic dimension; return it with "
                                     "each dynamic dimension separate")
@@ -548,9 +566,8 @@ class Lowering:
             self.outputs.append(buf)
             self.node = value
             self.realize(tv, into=buf)
-        for value, spec in mutations:
-            self.node = value
-            self.write_state(self.state_buffer(spec.target), self.env.get(value))
+        self.write_states([(value, self.state_buffer(spec.target), self.env.get(value))
+                           for value, spec in mutations])
 
     # ---- index checks (format 3.3) ------------------------------------------------------------
     def check_index(self, node, index: Expr, source: Expr, size: Expr, size_value) -> Expr:
@@ -586,6 +603,23 @@ class Lowering:
                 return buf
         raise LoweringError(f"internal: no state buffer {name!r}")
 
+    def write_states(self, updates) -> None:
+        """Store the new values of the mutated buffers ((FX node, buffer, value) each), one after
+        the other. A value that reads the old value of a buffer an earlier update overwrites (two
+        states exchanging values) is put into the arena before the first update stores anything,
+        so it reads what the program read."""
+        values, overwritten = [], set()
+        for node, buf, tv in updates:
+            self.node = node
+            if isinstance(tv, TV) and any(load.buf.index in overwritten for load in loads(tv.expr)):
+                tv = self.realize(tv, into=self.new_buffer(tv.shape, tv.dtype))
+            values.append(tv)
+            if not _is_whole(tv, buf):   # stored (an in-place update stored nothing)
+                overwritten.add(buf.index)
+        for (node, buf, _), tv in zip(updates, values):
+            self.node = node
+            self.write_state(buf, tv)
+
     def write_state(self, buf: Buffer, tv) -> None:
         """The new value of a mutated buffer. An in-place update (a scatter into the buffer)
         already left it there; anything else is stored at the end of the program. A value that
@@ -596,8 +630,7 @@ class Lowering:
             raise LoweringError(f"buffer {buf.name!r} {list(buf.shape)} is assigned a value of "
                                 f"shape {list(tv.shape)}; session state has a static shape")
         expr = tv.expr
-        if (isinstance(expr, Load) and expr.buf is buf and expr.offset == 0
-                and expr.strides == contiguous_strides(buf.shape)):
+        if _is_whole(tv, buf):
             return   # updated in place
         if any(load.buf is buf for load in loads(expr)):
             tv = self.realize(tv, into=self.new_buffer(tv.shape, tv.dtype))
@@ -615,6 +648,13 @@ class Lowering:
         if isinstance(tv, TV) and isinstance(tv.expr, Load) and tv.expr.buf.kind == "state":
             return tv.expr.buf
         return None
+
+
+def _is_whole(tv, buf: Buffer) -> bool:
+    """`tv` is `buf` itself, as it is in memory (a state updated in place is its own new value)."""
+    expr = tv.expr if isinstance(tv, TV) else None
+    return (isinstance(expr, Load) and expr.buf is buf and expr.offset == 0
+            and expr.strides == contiguous_strides(buf.shape))
 
 
 def _weight_key(tensor: torch.Tensor):
@@ -729,9 +769,9 @@ def _worth_sharing(tv: TV) -> bool:
 
 
 def lower(program: ExportedProgram, name: str = "model", options: dict | None = None,
-          bucket: dict | None = None) -> Program:
+          bucket: dict | None = None, output_names: list[str] | None = None) -> Program:
     from . import lower_ops, lower_scan, lower_vision  # noqa: F401  (register the handlers)
-    return Lowering(program, name, options, bucket).run()
+    return Lowering(program, name, options, bucket, output_names).run()
 
 
 # ---- helpers shared by the op handlers -------------------------------------------------------

@@ -423,7 +423,7 @@ def _item(L, node, x):
     if x.shape:
         x = views.view(x, ())
     L.emit(Kernel(ToExtent(src=x.expr, symbol=sym, lo=lo, hi=hi), EXTENTS, (), Acc("int64")))
-    L.item_kernels[sym] = L.kernels[-1]
+    L.item_kernels[sym] = len(L.kernels) - 1
     return extents.SymSize(hi, sym)
 
 
@@ -432,9 +432,11 @@ def _tighten_item_bound(L, end, size: int):
     would otherwise read past x), so the clamp on the device and the bound of every buffer sized
     by n shrink to it."""
     sym = sym_expr(end)
-    kernel = L.item_kernels.get(sym)
+    at = L.item_kernels.get(sym)
+    kernel = L.kernels[at] if at is not None else None
     if kernel is not None and size < kernel.spec.hi:
-        kernel.spec = dataclasses.replace(kernel.spec, hi=size)
+        L.replace_kernel(at, dataclasses.replace(kernel, spec=dataclasses.replace(kernel.spec,
+                                                                                  hi=size)))
         L.bucket[sym] = size
 
 

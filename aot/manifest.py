@@ -41,30 +41,27 @@ HIDDEN_PARAMS = 2   # Triton 3.6 appends global and profile scratch pointers to 
 
 def table_layout(program: Program, n_symbols: int = 0,
                  errors: bool = False) -> tuple[list[dict], dict, int, dict | None]:
-    """Assign a table slot to each input then each output, laid out by `formats.table.pack`: the
+    """A table slot for each input then each output, laid out by `formats.table.pack`: the
     slots, the extents (one i64 word per size symbol), then (`errors`: the package has index
-    checks) the error word. Returns (slots, extents, table bytes, `table.errors` or None)."""
+    checks) the error word. Returns (slots, extents, table bytes, `table.errors` or None). The
+    slot of an I/O buffer is its position in `slots` (`slot_of`); the buffers are not touched,
+    since every bucket's program has its own and all share this one layout."""
     io = [("input", buf) for buf in program.inputs] + [("output", buf) for buf in program.outputs]
     layout = table.pack([len(buf.shape) for _, buf in io], n_symbols, errors)
-    slots = []
-    for (role, buf), offset in zip(io, layout.slot_offsets):
-        buf.slot = len(slots)
-        slots.append({"name": buf.name, "role": role, "offset": offset, "rank": len(buf.shape)})
+    slots = [{"name": buf.name, "role": role, "offset": offset, "rank": len(buf.shape)}
+             for (role, buf), offset in zip(io, layout.slot_offsets)]
     extents = {"offset": layout.extents_offset, "count": n_symbols}
     error_word = None if layout.errors_offset is None else {"offset": layout.errors_offset}
     return slots, extents, layout.nbytes, error_word
 
 
-def name_outputs(program: Program, names: list[str]) -> None:
-    """Rename the program's output buffers (the lowering calls them out/out0, out1, ...) to
-    `names`, one per output in order; their recorded sizes move with them."""
-    if len(names) != len(program.outputs):
-        raise AssertionError(f"internal: {len(names)} output names for "
-                             f"{len(program.outputs)} outputs")
-    sizes = [program.sizes.pop(buf.name) for buf in program.outputs]
-    for buf, name, size in zip(program.outputs, names, sizes):
-        buf.name = name
-        program.sizes[name] = size
+def slot_of(buf: Buffer, slots: list[dict]) -> int:
+    """The table slot of an input or output buffer: the one of its name and role (names are unique
+    among the package's inputs and outputs)."""
+    for i, slot in enumerate(slots):
+        if slot["name"] == buf.name and slot["role"] == buf.kind:
+            return i
+    raise AssertionError(f"internal: {buf.kind} {buf.name} has no table slot")
 
 
 @dataclass
@@ -91,13 +88,13 @@ class GraphBuild:
 def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict,
          errors: dict | None = None) -> dict:
     if buf.kind == "arena":
-        p = plan.arena[id(buf)]
+        p = plan.arena[buf.index]
         return {"region": "arena", "offset": p.offset, "nbytes": buf.nbytes, "dtype": buf.dtype}
     if buf.kind == "weight":
-        return {"region": "weights", "offset": plan.weights[id(buf)], "nbytes": buf.nbytes,
+        return {"region": "weights", "offset": plan.weights[buf.index], "nbytes": buf.nbytes,
                 "dtype": buf.dtype}
     if buf.kind == "state":
-        return {"region": "state", "offset": plan.state[id(buf)], "nbytes": buf.nbytes,
+        return {"region": "state", "offset": plan.state[buf.index], "nbytes": buf.nbytes,
                 "dtype": buf.dtype}
     if buf.kind == "extents":
         return {"region": "table", "offset": extents["offset"],
@@ -107,7 +104,7 @@ def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict,
             raise AssertionError("a kernel checks indices, but the table has no error word")
         return {"region": "table", "offset": errors["offset"], "nbytes": table.WORD_NBYTES,
                 "dtype": "int64"}
-    slot = slots[buf.slot]
+    slot = slots[slot_of(buf, slots)]
     return {"region": "table", "offset": slot["offset"], "nbytes": table.slot_nbytes(slot["rank"]),
             "dtype": "int64"}
 
@@ -128,7 +125,7 @@ def _describe(buf: Buffer, slots: list[dict], extents: dict) -> list:
         return ["extents", table.WORD_NBYTES * extents["count"]]
     if buf.kind == "errors":
         return ["errors", table.WORD_NBYTES]
-    slot = slots[buf.slot]
+    slot = slots[slot_of(buf, slots)]
     return ["slot", table.slot_nbytes(slot["rank"]), buf.name, buf.dtype, [int(d) for d in buf.shape]]
 
 
@@ -294,7 +291,7 @@ def _state_entries(program: Program, plan: MemoryPlan, sections: dict) -> list[d
         tensor = program.state_data[b.name]
         zeros = not bool(torch.count_nonzero(tensor))
         entries.append({"name": b.name, "dtype": b.dtype, "shape": list(b.shape),
-                        "offset": plan.state[id(b)], "nbytes": b.nbytes,
+                        "offset": plan.state[b.index], "nbytes": b.nbytes,
                         "init": "zeros" if zeros else "data"})
         if not zeros:
             data[b.name] = (b.dtype, tuple(b.shape), weight_view(tensor))
@@ -374,10 +371,12 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
                      "max": s.hi if s.hi is not None else max(g.bucket[s.name] for g in graphs),
                      "sources": [list(src) for src in s.sources]} for s in symbols],
         "inputs": [{"name": b.name, "dtype": b.dtype,
-                    "shape": _shape(program.sizes.get(b.name, b.shape), names), "slot": b.slot}
+                    "shape": _shape(program.sizes.get(b.name, b.shape), names),
+                    "slot": slot_of(b, slots)}
                    for b in program.inputs],
         "outputs": [{"name": b.name, "dtype": b.dtype,
-                     "shape": _shape(program.sizes.get(b.name, b.shape), names), "slot": b.slot}
+                     "shape": _shape(program.sizes.get(b.name, b.shape), names),
+                     "slot": slot_of(b, slots)}
                     for b in program.outputs],
         "table": {"nbytes": table_nbytes, "slots": slots, "extents": dict(extents),
                   **({"errors": dict(errors)} if errors is not None else {})},
@@ -386,7 +385,7 @@ def build_manifest(graphs: list[GraphBuild], symbols: list, writer: KernelSource
                     "table": table_nbytes, "state": plan.state_nbytes},
         "state": _state_entries(program, plan, sections),
         "weights": [{"name": b.name, "dtype": b.dtype, "shape": list(b.shape),
-                     "offset": plan.weights[id(b)], "nbytes": b.nbytes}
+                     "offset": plan.weights[b.index], "nbytes": b.nbytes}
                     for b in program.weights],
         "arena_buffers": [{"name": p.buffer.name, "offset": p.offset, "nbytes": p.nbytes,
                            "first": p.first + 1, "last": p.last + 1}

@@ -32,11 +32,11 @@ class Placement:
 @dataclass
 class MemoryPlan:
     arena_nbytes: int
-    arena: dict[int, Placement]        # id(buffer) -> placement
+    arena: dict[int, Placement]        # Buffer.index -> placement
     weights_nbytes: int
-    weights: dict[int, int]            # id(buffer) -> offset in the weights region
+    weights: dict[int, int]            # Buffer.index -> offset in the weights region
     state_nbytes: int = 0
-    state: dict = None                 # id(buffer) -> offset in the state region
+    state: dict = None                 # Buffer.index -> offset in the state region
 
 
 def drop_empty(kernels: list[Kernel]) -> list[Kernel]:
@@ -56,18 +56,18 @@ def plan_memory(kernels: list[Kernel], weights: list[Buffer],
     bufs: dict[int, Buffer] = {}
     for i, k in enumerate(kernels):
         if k.out.kind == "arena":   # a buffer may be written twice (a copy, then a scatter)
-            first.setdefault(id(k.out), i)
-            last[id(k.out)] = i
-            bufs[id(k.out)] = k.out
+            first.setdefault(k.out.index, i)
+            last[k.out.index] = i
+            bufs[k.out.index] = k.out
         for b in k.reads():
             if b.kind == "arena":
-                if id(b) not in first:   # read before (or without) being written
+                if b.index not in first:   # read before (or without) being written
                     if b.nbytes:
                         raise AssertionError(f"memory plan: {b.name} is read by kernel {i} "
                                              "before any kernel writes it")
-                    first[id(b)] = i     # empty: its writer was dropped (drop_empty)
-                    bufs[id(b)] = b
-                last[id(b)] = i
+                    first[b.index] = i     # empty: its writer was dropped (drop_empty)
+                    bufs[b.index] = b
+                last[b.index] = i
     order = sorted(bufs, key=lambda key: (-bufs[key].nbytes, first[key]))
     placed: list[Placement] = []
     for key in order:
@@ -87,7 +87,7 @@ def plan_memory(kernels: list[Kernel], weights: list[Buffer],
     arena_nbytes = max((p.offset + p.nbytes for p in placed), default=0)
     woffsets, wcursor = _pack(weights)
     soffsets, scursor = _pack(state)
-    return MemoryPlan(arena_nbytes, {id(p.buffer): p for p in placed}, wcursor, woffsets,
+    return MemoryPlan(arena_nbytes, {p.buffer.index: p for p in placed}, wcursor, woffsets,
                       scursor, soffsets)
 
 
@@ -95,7 +95,7 @@ def _pack(buffers) -> tuple[dict[int, int], int]:
     """Back-to-back, 256-aligned offsets (weights and state are live for the whole call)."""
     offsets, cursor = {}, 0
     for buf in buffers:
-        offsets[id(buf)] = cursor
+        offsets[buf.index] = cursor
         cursor += align(max(buf.nbytes, 1))
     return offsets, cursor
 
@@ -121,7 +121,7 @@ def dependencies(kernels: list[Kernel], plan: MemoryPlan,
         out = []
         for b in bufs:
             if b.kind == "arena":
-                p = plan.arena[id(b)]
+                p = plan.arena[b.index]
                 out.append(("arena", p.offset, p.offset + p.nbytes))
             elif b.kind in ("input", "output"):
                 out.append((f"io:{b.name}", 0, 1))

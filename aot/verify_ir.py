@@ -1,6 +1,6 @@
-"""The IR verifier: invariants checked at the stage boundaries (after lowering, fusion and the
-memory plan), so that a stage that breaks the IR fails there, naming the kernel and the buffer,
-instead of as a wrong number on a GPU three stages later.
+"""The IR verifier: invariants checked at the stage boundaries (after lowering, fusion, the
+memory plan and the graph's dependency edges), so that a stage that breaks the IR fails there,
+naming the kernel and the buffer, instead of as a wrong number on a GPU three stages later.
 
 What it checks (each problem is one line of the `IRVerifyError` it raises):
 
@@ -21,21 +21,28 @@ What it checks (each problem is one line of the `IRVerifyError` it raises):
     a kernel's buffer holds exactly its index space (GEMM, attention and split partials by their
     own rule), and the family's sizes agree with its shapes.
   * **each buffer written once**: no buffer is the full output of two kernels; a scatter (which
-    writes part of a buffer) targets one an earlier kernel wrote (or session state), every arena
-    buffer is written before it is read, and every graph output is written.
+    writes part of a buffer) targets session state or an arena buffer an earlier kernel wrote,
+    every arena buffer is written before it is read, and every graph output is written; a kernel
+    reads the buffer it writes only at the element it stores (families.in_place_problem); one
+    index names one buffer (plans key buffers by Buffer.index).
   * **the memory plan** (after memplan): every arena buffer a kernel touches has a placement that
     covers its bytes and its whole live range, 256-aligned and inside the arena; weights and state
     have aligned, non-overlapping offsets inside their regions; live buffers never share bytes.
+  * **the order** (after codegen, which makes the graph's edges): every kernel waits, directly or
+    through others, for each earlier kernel that wrote a buffer it reads, and a kernel that writes
+    a buffer (whole or in part) for each earlier kernel that read or wrote it. A partial write
+    counts as a write of the whole buffer and defines none of it (aot/ir.py).
 
 It is pure Python over the IR (no torch, no sympy arithmetic beyond reading extents), linear in
-the size of the expressions, and on in the tests (tests/conftest.py sets GRACE_VERIFY=1) and in
+the size of the expressions (the order: in the number of uses of each buffer, squared, with the
+kernels' ancestors as bit sets), and on in the tests (tests/conftest.py sets GRACE_VERIFY=1) and in
 CI; `grace compile` runs it when GRACE_VERIFY=1 is set.
 """
 from __future__ import annotations
 
 import os
 
-from .families import FAMILIES
+from .families import FAMILIES, in_place_problem
 from .ir import (FLOATS, Buffer, Cat, Const, Expr, Index, Kernel, Load, Op, Reindex,
                  Reshape, SymValue, numel)
 
@@ -44,6 +51,8 @@ MAX_LISTED = 20          # problems named in one error (the count says how many 
 INTEGERS = ("int64", "int32", "int16", "int8", "uint8", "bool")
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge", "isnan")   # always bool
 INT_ARITH = ("add", "sub", "mul", "floordiv", "maximum", "minimum", "neg")
+PARTIALLY_WRITTEN = ("arena", "state")   # the kinds of buffer a scatter may write part of
+ORDERED = ("arena", "state", "output")   # the kinds kernels write, so whose uses must be ordered
 
 
 class IRVerifyError(AssertionError):
@@ -374,26 +383,86 @@ def check_kernels(kernels: list[Kernel], program=None, stage: str = "", bucket: 
         if k.out.kind in ("input", "weight"):
             checker.say(f"writes {k.out.name}, a {k.out.kind} buffer")
         for b in k.reads():
-            if b.kind == "arena" and id(b) not in written and b.nbytes:
+            if b.kind == "arena" and b.index not in written and b.nbytes:
                 checker.say(f"reads {b.name} before any kernel writes it")
         for name, expr, space in _roots(k, checker.say):
             checker.expr(expr, _full(space), name)
         _check_sizes(k, checker.say)
         _check_store_dtype(k, checker.say)
+        in_place = in_place_problem(k) if k.family in FAMILIES else None
+        if in_place:
+            checker.say(f"{in_place} (another of its programs may have stored there already)")
         if _scatters(k):
-            if k.out.kind == "arena" and id(k.out) not in written:
+            if k.out.kind not in PARTIALLY_WRITTEN:
+                checker.say(f"scatters into the {k.out.kind} buffer {k.out.name} (a partial "
+                            "write goes into session state or an arena buffer written whole "
+                            "before)")
+            elif k.out.kind == "arena" and k.out.index not in written:
                 checker.say(f"scatters into {k.out.name}, which no earlier kernel wrote (the "
                             "elements it skips would be garbage)")
         elif k.out.kind != "extents":
-            first = full_writer.setdefault(id(k.out), i)
+            first = full_writer.setdefault(k.out.index, i)
             if first != i:
                 checker.say(f"writes {k.out.name}, which kernel #{first} already wrote whole (a "
                             "buffer has one writer, then scatters)")
-        written.add(id(k.out))
+        written.add(k.out.index)
     if program is not None:
         for out in program.outputs:
-            if id(out) not in written and out.nbytes:
+            if out.index not in written and out.nbytes:
                 problems.append(f"output {out.name} is written by no kernel")
+    _check_indices(kernels, program, problems)
+    _raise(problems, stage, bucket)
+
+
+def _check_indices(kernels: list[Kernel], program, problems: list) -> None:
+    """One index, one buffer: the memory plan and the manifest key buffers by Buffer.index, so
+    two buffers of one program with the same index would be placed (and passed) as one."""
+    bufs = [b for k in kernels if isinstance(k.out, Buffer) for b in [k.out] + k.reads()]
+    if program is not None:
+        bufs += program.inputs + program.outputs + program.weights + program.state
+    by_index: dict[int, list[Buffer]] = {}
+    for b in bufs:
+        group = by_index.setdefault(b.index, [])
+        if not any(other is b for other in group):
+            group.append(b)
+    for index, group in by_index.items():
+        if len(group) > 1:
+            problems.append(f"buffers {', '.join(b.name for b in group)} have the same index "
+                            f"{index}")
+
+
+def check_order(kernels: list[Kernel], deps: list[list[int]], stage: str = "codegen",
+                bucket: str = "") -> None:
+    """The graph's dependency edges (memplan.dependencies: deps[j], the kernels j waits for,
+    transitively implied ones left out) against the order of the kernels' uses of each buffer:
+    a kernel that reads a buffer runs after every earlier kernel that writes it, and a kernel
+    that writes one after every earlier kernel that reads or writes it. A scatter counts as a
+    write of its whole target, and defines none of it: its readers wait for it and for the whole
+    write before it, and it waits for the readers of the value it changes. (That arena buffers
+    reusing each other's bytes are ordered too is the edges' other job, not checked here.)"""
+    problems: list[str] = []
+    before: list[int] = []   # per kernel, bit i: kernel i is ordered before it
+    for j, waits in enumerate(deps):
+        mask = 0
+        for i in waits:
+            mask |= before[i] | (1 << i)
+        before.append(mask)
+    uses: dict[int, list[tuple[int, bool]]] = {}   # Buffer.index -> (kernel, writes), in order
+    for j, k in enumerate(kernels):
+        mine = [(b, False) for b in k.reads()] + [(k.out, True)]
+        mine = [(b, w) for b, w in mine if b.kind in ORDERED and b.nbytes]   # empty: no hazard
+        missing = {}
+        for b, writes in mine:
+            for i, wrote in uses.get(b.index, ()):
+                if (writes or wrote) and not before[j] >> i & 1:
+                    missing.setdefault((i, b.name), (writes, wrote))
+        for (i, name), (writes, wrote) in missing.items():
+            problems.append(f"kernel #{j} ({k.family} {k.label!r}) "
+                            f"{'writes' if writes else 'reads'} {name} but does not wait for "
+                            f"kernel #{i} ({kernels[i].family} {kernels[i].label!r}), which "
+                            f"{'wrote' if wrote else 'read'} it before")
+        for b, writes in mine:
+            uses.setdefault(b.index, []).append((j, writes))
     _raise(problems, stage, bucket)
 
 
@@ -413,13 +482,13 @@ def check_plan(plan, kernels: list[Kernel], program=None, stage: str = "memplan"
     for i, k in enumerate(kernels):
         for b in [k.out] + k.reads():
             if b.kind == "arena":
-                bufs[id(b)] = b
-                first.setdefault(id(b), i)
-                last[id(b)] = i
+                bufs[b.index] = b
+                first.setdefault(b.index, i)
+                last[b.index] = i
             elif b.kind == "weight":
-                weights_read[id(b)] = b
+                weights_read[b.index] = b
             elif b.kind == "state":
-                state_used[id(b)] = b
+                state_used[b.index] = b
     for key, b in bufs.items():
         p = plan.arena.get(key)
         if p is None:
@@ -457,7 +526,7 @@ def check_plan(plan, kernels: list[Kernel], program=None, stage: str = "memplan"
 def _check_region(problems, region, buffers, offsets, nbytes, align) -> None:
     spans = []
     for b in buffers:
-        off = offsets.get(id(b))
+        off = offsets.get(b.index)
         if off is None:
             problems.append(f"{region} buffer {b.name} has no offset")
             continue

@@ -31,6 +31,70 @@ def test_mlp_is_two_gemms_with_fused_epilogues():
     assert kernels[-1].out.kind == "output"
 
 
+def test_fusion_returns_new_kernels_and_leaves_the_lowered_ones_alone():
+    """Passes return new objects: after fusion the lowered program prints as before, holds the
+    same kernel objects with the same fields, and the fused producers are new kernels."""
+    from grace.aot.ir import format_ir
+
+    core = export.to_core_aten(export.export_model(models.LlamaBlock(), (torch.randn(1, 16, 64),)))
+    prog = lower.lower(core)
+    text, kernels = format_ir(prog), list(prog.kernels)
+    fields = [(k.spec, k.out, k.epilogue, k.label, k.ext) for k in kernels]
+    fused = fuse.fuse_epilogues(prog.kernels)
+    assert len(fused) < len(kernels)   # something was fused
+    assert format_ir(prog) == text
+    assert len(prog.kernels) == len(kernels)
+    assert all(a is b for a, b in zip(prog.kernels, kernels))
+    assert [(k.spec, k.out, k.epilogue, k.label, k.ext) for k in prog.kernels] == fields
+    assert any(k not in kernels and "+" in k.label for k in fused)
+    assert fused is not prog.kernels
+
+
+def test_fusion_keeps_reads_of_state_before_its_writes():
+    """Folding a state's store into the kernel that computed its value moves that kernel to the
+    store's place: not past another store into a state it reads (it would read the new value), and
+    not when it would read its own target at other elements than it stores (a race between its
+    programs)."""
+    from grace.aot.families import Pointwise
+    from grace.aot.ir import Buffer, Kernel, Load, Op
+
+    a, b = (Buffer(n, "state", "float32", (64, 64), i) for n, i in (("a", 1), ("b", 2)))
+    t = Buffer("t", "arena", "float32", (64, 64), 3)
+    x = Buffer("x", "input", "float32", (64, 64), 4)
+
+    def pointwise(out, value, label):
+        return Kernel(Pointwise(), out, (64, 64), value, label=label)
+
+    new_b = pointwise(t, Op("mul", [Load(a, 0, (64, 1)), Load(x, 0, (64, 1))], "float32"), "new_b")
+    store_a = pointwise(a, Load(x, 0, (64, 1)), "state a")
+    store_b = pointwise(b, Load(t, 0, (64, 1)), "state b")
+    assert fuse.fuse_epilogues([new_b, store_a, store_b]) == [new_b, store_a, store_b]
+    (fused,) = fuse.fuse_epilogues([new_b, store_b])   # nothing in between: folded
+    assert fused.out is b and fused.label == "new_b+state b"
+    flipped = pointwise(t, Load(a, 63 * 64, (-64, 1)), "flip")
+    store = pointwise(a, Load(t, 0, (64, 1)), "state a")
+    assert fuse.fuse_epilogues([flipped, store]) == [flipped, store]
+
+
+def test_a_slice_by_item_tightens_its_clamp_in_a_new_kernel():
+    """x[:n.item()] bounds n by x's size: the `.item()` kernel emitted before the slice is replaced
+    (Lowering.replace_kernel) by one that clamps to 12, not to the 40 torch._check allowed, and
+    the size's bound follows."""
+    class Prefix(torch.nn.Module):
+        def forward(self, x, n):
+            k = n.item()
+            torch._check(k >= 0)
+            torch._check(k <= 40)
+            return x[:k] + 1
+
+    core = export.to_core_aten(export.export_model(Prefix(), (torch.randn(12, 4), torch.tensor(3))))
+    (sym,) = core.range_constraints
+    prog = lower.lower(core)
+    item = prog.kernels[0]
+    assert item.family == "to_extent" and (item.spec.lo, item.spec.hi) == (0, 12)
+    assert prog.bounds[sym] == 12
+
+
 def test_pointwise_chain_is_one_kernel():
     class Chain(torch.nn.Module):
         def forward(self, x, y):
@@ -87,25 +151,25 @@ def test_dependencies_follow_write_after_read():
     from grace.aot.families import Pointwise
     from grace.aot.ir import Buffer, Kernel, Load
 
-    x = Buffer("x", "input", "float32", (16, 16))
-    a = Buffer("a", "arena", "float32", (16, 16))
-    c = Buffer("c", "arena", "float32", (16, 16))
-    y1 = Buffer("y1", "output", "float32", (16, 16))
-    y2 = Buffer("y2", "output", "float32", (16, 16))
+    x = Buffer("x", "input", "float32", (16, 16), 1)
+    a = Buffer("a", "arena", "float32", (16, 16), 2)
+    c = Buffer("c", "arena", "float32", (16, 16), 3)
+    y1 = Buffer("y1", "output", "float32", (16, 16), 4)
+    y2 = Buffer("y2", "output", "float32", (16, 16), 5)
 
     def copy(out, src):
         return Kernel(Pointwise(), out, out.shape, Load(src, 0, (16, 1)), label=out.name)
 
     kernels = [copy(a, x), copy(y1, a), copy(c, x), copy(y2, c)]
     plan = memplan.plan_memory(kernels, [])
-    assert plan.arena[id(a)].offset == plan.arena[id(c)].offset == 0   # the reuse
+    assert plan.arena[a.index].offset == plan.arena[c.index].offset == 0   # the reuse
     deps = memplan.dependencies(kernels, plan)
     assert deps[1] == [0]      # read-after-write: y1 reads a
     assert deps[2] == [1]      # write-after-read: c overwrites a's bytes after y1 read them
     assert deps[3] == [2]      # read-after-write: y2 reads c
     # without the reuse there is no such edge: the two chains are independent
-    apart = memplan.MemoryPlan(2048, {id(a): memplan.Placement(a, 0, 1024, 0, 1),
-                                      id(c): memplan.Placement(c, 1024, 1024, 2, 3)}, 0, {})
+    apart = memplan.MemoryPlan(2048, {a.index: memplan.Placement(a, 0, 1024, 0, 1),
+                                      c.index: memplan.Placement(c, 1024, 1024, 2, 3)}, 0, {})
     assert memplan.dependencies(kernels, apart) == [[], [0], [], [2]]
 
 
@@ -122,6 +186,28 @@ def test_package_has_sm90_cubins_and_sources(tmp_path):
         assert b"@triton.jit" in bytes(pkg.section(kernel["source"]))
     assert m["graphs"][0]["nodes"][0]["label"] == "table_writer"
     assert [i["name"] for i in m["inputs"]] == ["x"]
+
+
+def test_buffers_are_named_when_made_and_the_table_layout_leaves_them_alone():
+    """Outputs get the package's names from the lowering (no pass renames a buffer the kernels
+    share), and an I/O buffer's table slot is the layout's (manifest.slot_of): buffers are
+    frozen."""
+    import dataclasses
+
+    from grace.aot import manifest
+
+    class Two(torch.nn.Module):
+        def forward(self, x, y):
+            return x + y, x * y
+
+    core = export.to_core_aten(export.export_model(Two(), (torch.randn(4), torch.randn(4))))
+    prog = lower.lower(core, output_names=["total", "product"])
+    assert [b.name for b in prog.outputs] == ["total", "product"]
+    assert list(prog.sizes) == ["x", "y", "total", "product"]
+    slots, _, _, _ = manifest.table_layout(prog)
+    assert [manifest.slot_of(b, slots) for b in prog.inputs + prog.outputs] == [0, 1, 2, 3]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prog.outputs[0].name = "renamed"
 
 
 def test_unsupported_op_names_op_and_source_line():

@@ -562,9 +562,9 @@ def test_each_target_lowers_with_its_own_sm_count(tmp_path, monkeypatch):
     seen = []
     real = lower.lower
 
-    def spy(core, name, options, bucket):
+    def spy(core, name, options, *rest):
         seen.append((options["sm_count"], options["pdl"]))
-        return real(core, name, options, bucket)
+        return real(core, name, options, *rest)
 
     monkeypatch.setattr(lower, "lower", spy)
     m = read_package(_compile_mlp(tmp_path / "m.grace", ("sm_80", "sm_90"), True,

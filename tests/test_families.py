@@ -20,9 +20,9 @@ from grace.aot.families import FAMILIES, LayerNorm, Pointwise, Scatter  # noqa: 
 from grace.aot.ir import Buffer, Const, Index, Kernel, Load, Spec, format_kernel  # noqa: E402
 from grace.aot.views import contiguous_load  # noqa: E402
 
-X = Buffer("x", "input", "float32", (4, 8))
-W = Buffer("w", "weight", "float32", (8,))
-OUT = Buffer("out", "arena", "float32", (4, 8))
+X = Buffer("x", "input", "float32", (4, 8), 1)
+W = Buffer("w", "weight", "float32", (8,), 2)
+OUT = Buffer("out", "arena", "float32", (4, 8), 3)
 SMS = lower.DEFAULT_OPTIONS["sm_count"]
 
 

@@ -125,21 +125,50 @@ class _Counter(torch.nn.Module):
         return old + self.n
 
 
-def test_counter_state_carries_across_calls_of_one_session(tmp_path):
-    path = grace_compile(_Counter(), (torch.randn(3, 4),), output=tmp_path / "c.grace",
+def _session_calls(model, x, tmp_path, calls: int = 3) -> None:
+    """Compile `model`, run it `calls` times in one interpreted session on `x`, and compare every
+    call's output with eager calls of a fresh copy of the model (state carried across calls)."""
+    path = grace_compile(model, (torch.from_numpy(x),), output=tmp_path / "c.grace",
                          progress=False)
-    manifest = read_package(path).manifest
-    assert [(e["name"], e["init"]) for e in manifest["state"]] == [("n", "data")]
-    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
-    cases = {f"c{i}": {"x": x} for i in range(3)}
+    cases = {f"c{i}": {"x": x} for i in range(calls)}
     spec, result = tmp_path / "cases.npz", tmp_path / "result.npz"
     np.savez(spec, **{f"{c}/{n}": a for c, inputs in cases.items() for n, a in inputs.items()})
     worker = pathlib.Path(__file__).with_name("interpret_cases.py")
     proc = subprocess.run([sys.executable, str(worker), str(path), str(spec), str(result),
                            "session"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    model = _Counter()
+    model = type(model)()
     with np.load(result) as data, torch.no_grad():
-        for i in range(3):
+        for i in range(calls):
             ref = model(torch.from_numpy(x)).numpy()
             np.testing.assert_allclose(data[f"c{i}/out"], ref, rtol=1e-6)
+
+
+def test_counter_state_carries_across_calls_of_one_session(tmp_path):
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    _session_calls(_Counter(), x, tmp_path)
+    manifest = read_package(tmp_path / "c.grace").manifest
+    assert [(e["name"], e["init"]) for e in manifest["state"]] == [("n", "data")]
+
+
+class _Exchange(torch.nn.Module):
+    """New state values read old ones that a state update overwrites: `b`'s reads the old `a`,
+    which is stored first, and `a`'s reads itself upside down (each program of its store would
+    read rows another program already overwrote)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.register_buffer("a", torch.randn(64, 64, generator=g))
+        self.register_buffer("b", torch.randn(64, 64, generator=g))
+
+    def forward(self, x):
+        new_a, new_b = self.a.flip(0) + x, self.a * 2 + self.b
+        self.a.copy_(new_a)
+        self.b.copy_(new_b)
+        return new_b - x
+
+
+def test_state_updates_read_the_old_values(tmp_path):
+    x = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
+    _session_calls(_Exchange(), x, tmp_path)
