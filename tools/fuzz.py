@@ -572,6 +572,10 @@ class FakeDriver:
     runtime computed a device address outside the memory it owns."""
 
     SHARED_OPTIN_MAX = 232448   # H100/H200 cudaDevAttrMaxSharedMemoryPerBlockOptin
+    SHARED_PER_SM = 233472      # H100/H200: 228 KiB per multiprocessor
+    SHARED_RESERVED = 1024      # what the driver keeps per block
+    SHARED_DEFAULT = 48 * 1024  # a block's dynamic shared memory without opting in
+    SM_COUNT = 132
 
     def __init__(self, device_nbytes: int = FAKE_DEVICE_NBYTES, capability: tuple = (9, 0)):
         from cuda.bindings import driver as real
@@ -581,6 +585,8 @@ class FakeDriver:
         self.names = {}          # function handle -> its kernel name
         self.kernel_nodes = []   # the kernel name of every kernel node added to a graph
         self.programmatic = 0    # programmatic edges added (cuGraphAddDependencies)
+        self.node_shared = []    # the dynamic shared memory of every kernel node added
+        self.opted_in = {}       # function handle -> its MAX_DYNAMIC_SHARED_SIZE_BYTES
         self.ok = real.CUresult.CUDA_SUCCESS
         self._err = real.CUresult
         self.device_nbytes = device_nbytes
@@ -619,7 +625,10 @@ class FakeDriver:
             return (self.ok, self.capability[0])
         if attr == a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
             return (self.ok, self.capability[1])
-        return (self.ok, 0)
+        return (self.ok, {a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: self.SM_COUNT,
+                          a.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR: self.SHARED_PER_SM,
+                          a.CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK: self.SHARED_RESERVED,
+                          }.get(attr, 0))
 
     # modules: a cubin's kernels and what the driver would report about each are read from the
     # ELF itself (cubin_functions); PTX text (the runtime's set_condition kernel) by its entries
@@ -666,6 +675,8 @@ class FakeDriver:
             raise OverflowError(f"value {value} does not fit a C int")   # as the binding does
         if value > self.SHARED_OPTIN_MAX:
             return (self._err.CUDA_ERROR_INVALID_VALUE,)
+        if attr == self._real.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES:
+            self.opted_in[int(function)] = value
         return (self.ok,)
 
     def cuModuleUnload(self, module):
@@ -744,9 +755,11 @@ class FakeDriver:
         info = self.functions.get(int(p.func))
         block = (p.blockDimX, p.blockDimY, p.blockDimZ)
         if n != len(deps) or info is None or block[0] * block[1] * block[2] > info["max_threads"] \
-                or (info["reqntid"] is not None and block != info["reqntid"]):
+                or (info["reqntid"] is not None and block != info["reqntid"]) \
+                or p.sharedMemBytes > self.opted_in.get(int(p.func), self.SHARED_DEFAULT):
             return (self._err.CUDA_ERROR_INVALID_VALUE, None)   # a real GPU: at the launch
         self.kernel_nodes.append(self.names.get(int(p.func)))
+        self.node_shared.append(p.sharedMemBytes)
         return (self.ok, self._real.CUgraphNode(self._handle()))
 
     def cuGraphConditionalHandleCreate(self, g, ctx, default, flags):
