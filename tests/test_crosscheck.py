@@ -194,7 +194,8 @@ def test_hidden_params_lowered(bases):
 
 
 def test_the_table_writer_dropped(bases):
-    """Node 0 removed and every edge renumbered: a consistent manifest without a table writer."""
+    """Node 0 removed and every edge renumbered (the new node 0 keeps full edges, as node 0 must): a
+    consistent manifest without a table writer."""
     base = bases["mlp_buckets"]
 
     def drop(m):
@@ -202,6 +203,8 @@ def test_the_table_writer_dropped(bases):
             del g["nodes"][0]
             for node in g["nodes"]:
                 node["deps"] = [d - 1 for d in node["deps"] if d != 0]
+                if "programmatic" in node:
+                    node["programmatic"] = [d - 1 for d in node["programmatic"] if d > 1]
     refused(edited(base, drop), "graphs[0].nodes[0]")
 
 
@@ -232,7 +235,9 @@ def test_a_gemm_grid_enlarged(bases):
     (lambda m: m["kernels"][1].__setitem__("writes", []), "kernels[1].writes"),
     (lambda m: m["kernels"][2].pop("compiled"), "kernels[2]"),
     (lambda m: m["graphs"][1].pop("compiled"), "graphs[1]"),
-    (lambda m: m["graphs"][0]["nodes"][2].__setitem__("programmatic", [1]), "graphs[0].nodes[2].programmatic"),
+    (lambda m: m["graphs"][0]["compiled"]["target"].__setitem__("pdl", False),
+     "graphs[0].nodes[2].programmatic"),
+    (lambda m: m["graphs"][0]["nodes"][2].__setitem__("programmatic", [0, 1]), "graphs[0].nodes[2].programmatic"),
     (lambda m: m["kernels"][4].__setitem__("source", m["kernels"][1]["source"]), "kernels[4].source"),
 ])
 def test_launch_fields_against_the_kernel_record(bases, edit, field):
@@ -276,7 +281,11 @@ def test_a_removed_edge_is_a_race_refused_at_load(bases, monkeypatch):
     from grace.runtime.errors import InvalidPackageError
 
     base = bases["mlp_buckets"]
-    data = edited(base, lambda m: m["graphs"][0]["nodes"][2].__setitem__("deps", [0]))
+
+    def remove_edge(m):
+        node = m["graphs"][0]["nodes"][2]
+        node["deps"], node["programmatic"] = [0], []
+    data = edited(base, remove_edge)
     read_package(data)   # consistent with itself and with the records
     fake = fuzz.FakeDriver()
     monkeypatch.setattr(driver, "_cu", fake)

@@ -208,12 +208,20 @@ def test_pdl_on_sm80_is_refused():
                       output="/nonexistent/x.grace", archs=("sm_80",), pdl=True)
 
 
-def test_pdl_is_off_by_default(tmp_path):
+def test_pdl_is_on_by_default_for_sm90_and_off_when_asked(tmp_path):
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8)).eval()
-    path = grace_compile(m, (torch.randn(2, 16),), output=tmp_path / "mix.grace", progress=False,
-                         archs=("sm_90",))
-    manifest = read_package(path).manifest
-    assert manifest["options"]["pdl"] is False and _edges(manifest)[1] == 0
+    for pdl, expected in ((None, True), (False, False)):
+        path = grace_compile(m, (torch.randn(2, 16),), output=tmp_path / f"mix-{pdl}.grace",
+                             progress=False, archs=("sm_90",), pdl=pdl)
+        manifest = read_package(path).manifest
+        assert manifest["options"]["pdl"] is expected and (_edges(manifest)[1] > 0) is expected
+        assert manifest["options"]["targets"][0]["pdl"] is expected
+    # sm_80 alone: nothing to turn on, and no error unless PDL is insisted on
+    path = grace_compile(m, (torch.randn(2, 16),), output=tmp_path / "mix-80.grace", progress=False,
+                         archs=("sm_80",))
+    assert read_package(path).manifest["options"]["pdl"] is False
+    with pytest.raises(ValueError, match="pdl needs sm_90 or newer"):
+        grace_compile(m, (torch.randn(2, 16),), output=tmp_path / "no.grace", archs=("sm_80",), pdl=True)
 
 
 def test_data_dependent_sizes_are_race_free_with_pdl(tmp_path):
