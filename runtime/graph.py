@@ -211,8 +211,15 @@ class ExecutableGraph:
         call(self._cu.cuGraphUpload, self.exec, stream)
 
     def launch(self, words, stream) -> None:
-        """Write this call's table words into the parameter cells, SetParams on each node that takes
-        them (the table writer), then launch. The hot path."""
+        """Write this call's table words into the graph, then launch it. The hot path."""
+        self.set_words(words)
+        result = self._cu.cuGraphLaunch(self.exec, stream)
+        if result[0]:
+            check(result, "cuGraphLaunch")
+
+    def set_words(self, words) -> None:
+        """Write the table words into the parameter cells, SetParams on each node that takes them
+        (the table writer)."""
         for cells, pos, first, end in self._runs:
             cells[pos:pos + end - first] = words[first:end]
         cu, exe = self._cu, self.exec
@@ -220,9 +227,6 @@ class ExecutableGraph:
             result = cu.cuGraphExecKernelNodeSetParams(exe, node, params)
             if result[0]:
                 check(result, "cuGraphExecKernelNodeSetParams")
-        result = cu.cuGraphLaunch(exe, stream)
-        if result[0]:
-            check(result, "cuGraphLaunch")
 
     def destroy(self) -> None:
         cu = self._cu

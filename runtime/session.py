@@ -147,11 +147,25 @@ class Session:
         self._device.make_current()
         records = self._input_records(args, inputs)
         call = self._shapes.prepare([rec.shape for rec in records])  # sizes, graph, words (cached)
-        g, out_shapes = call.graph, call.output_shapes
-        out_records = self._out_records(out, out_shapes) if out else {}
-        graph = self._graphs[g] or self._instantiate(g)
+        out_records = self._out_records(out, call.output_shapes) if out else None
+        graph = self._graphs[call.graph] or self._instantiate(call.graph)
 
         # Every argument is valid: from here on only device work is enqueued.
+        graph.launch(self._table_words(call, records, out_records), self._stream)
+
+        self._generation += 1
+        self._last = (call.graph, call.values, None)
+        self.last_graph = self._graph_names[call.graph]
+        # Hold the caller's arrays (and DLPack capsules) until the next run, so a temporary passed to
+        # run() is not freed and its memory reused while the graph may still read it.
+        self._keep = (args, inputs, records, out)
+        return self._results(call, out, out_records)
+
+    __call__ = run
+
+    def _table_words(self, call, records, out_records) -> list:
+        """This call's table words: the shape plan's, with the data pointers of the inputs (numpy
+        ones copied to staging first) and of the outputs (the session's buffers, or out= arrays)."""
         words = call.words.copy()
         at = self._pointer_words
         for i, (spec, rec) in enumerate(zip(self._inputs, records)):
@@ -162,24 +176,19 @@ class Session:
                 driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
             words[at[spec.slot]] = ptr
         for spec, ptr in zip(self._outputs, self._out_ptrs):
-            rec = out_records.get(spec.name)
+            rec = out_records.get(spec.name) if out_records else None
             if rec is not None:
                 if rec.stream is not None:
                     driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
                 ptr = rec.ptr
             words[at[spec.slot]] = ptr
-        graph.launch(words, self._stream)
+        return words
 
-        self._generation += 1
-        self._last = (g, call.values, None)
-        self.last_graph = self._graph_names[g]
-        # Hold the caller's arrays (and DLPack capsules) until the next run, so a temporary passed to
-        # run() is not freed and its memory reused while the graph may still read it.
-        self._keep = (args, inputs, records, out)
+    def _results(self, call, out, out_records) -> dict:
+        """What run() returns: {output name: DeviceArray of this run, or the caller's out= array}."""
+        out_records = out_records or {}
         return {spec.name: out[spec.name] if spec.name in out_records else self._output_array(o, shape)
-                for o, (spec, shape) in enumerate(zip(self._outputs, out_shapes))}
-
-    __call__ = run
+                for o, (spec, shape) in enumerate(zip(self._outputs, call.output_shapes))}
 
     # ----------------------------------------------------------------------------------- state
     def reset_state(self) -> None:
