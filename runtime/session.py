@@ -57,7 +57,7 @@ from .driver import call
 from .errors import GraceRuntimeError, InputError, InvalidPackageError
 from .generate import COUNT, require
 from .graph import ExecutableGraph, GenerationGraph, table_word_count
-from .validate import check_array, check_shape, check_writable
+from .validate import ArrayCheck, check_array, check_shape, check_writable
 
 
 class Session:
@@ -88,7 +88,8 @@ class Session:
         self._shapes = package.shapes
         self._input_names = [s.name for s in self._inputs]
         self._output_index = {s.name: o for o, s in enumerate(self._outputs)}
-        self._what = [f"input '{s.name}'" for s in self._inputs]  # for error messages, made once
+        # per input: what its arrays must be (dtype, this device, layout), and its name for messages
+        self._input_checks = [ArrayCheck(f"input '{s.name}'", s.dtype, self._ordinal) for s in self._inputs]
         self._pointer_words = package.shapes.pointer_words  # per slot: index of its data-pointer word
         self._graph_names = package.graph_names
         self._data_outputs = {o for o in range(len(self._outputs)) if self._shapes.data_symbols_of(o)}
@@ -321,10 +322,14 @@ class Session:
                 raise InputError(f"missing input(s) {missing}; the package's inputs are {names}")
             args = [given[n] for n in names]
         records = []
-        for spec, what, obj in zip(self._inputs, self._what, args):
-            rec = self._record(obj, what, spec.dtype)
+        stream = self._stream_int
+        for check, obj in zip(self._input_checks, args):
+            rec = as_record(obj, check.what, stream)
+            if rec.device is None:  # __cuda_array_interface__ does not say which GPU: ask the driver
+                rec.device = driver.pointer_device(rec.ptr)
+            check.check(rec)
             if rec.owner is self:
-                raise InputError(f"{what}: is an output of this session, whose buffers this run "
+                raise InputError(f"{check.what}: is an output of this session, whose buffers this run "
                                  "rewrites; copy it first, or pass it to another session")
             records.append(rec)
         return records

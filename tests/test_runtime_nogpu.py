@@ -149,6 +149,8 @@ def test_typestr_and_dlpack_codes():
     assert dtypes.from_dlpack(2, 32) == "float32"
     assert dtypes.from_dlpack(2, 32, lanes=4) is None
     assert dtypes.from_torch("torch.bfloat16") == "bfloat16"
+    assert dtypes.from_torch("torch.bfloat16") == "bfloat16"   # remembered
+    assert dtypes.from_torch("torch.float16") == "float16"
 
 
 # ---------------------------------------------------------------------------- validation
@@ -178,6 +180,44 @@ def test_valid_record_passes():
 def test_invalid_records_name_the_input(bad, message):
     with pytest.raises(InputError, match=message):
         check(bad)
+
+
+# every record the checks see: (record, the error's message or None when it passes)
+RECORDS = [
+    (rec(), None),
+    (rec(strides=(COLS, 1)), None),                         # exactly the C-contiguous strides
+    (rec(shape=(1, COLS), strides=(999, 1)), None),         # a size-1 dim: any stride
+    (rec(shape=(ROWS, 1), strides=(1, 7)), None),
+    (rec(shape=(0, COLS), ptr=0x10004), None),              # empty: any address
+    (rec(shape=(7, 3, 2)), None),
+    (rec(device="cpu", ptr=3, strides=(1, ROWS)), None),    # host copies: layout does not matter
+    (rec(dtype="float16"), "input 'x': dtype is float16, expected float32"),
+    (rec(dtype="float16", device="cpu"), "input 'x': dtype is float16, expected float32"),
+    (rec(strides=(1, ROWS)), "input 'x': strides [1, 4] are not C-contiguous (expected [32, 1]); "
+                             "pass a contiguous array, e.g. x.contiguous()"),
+    (rec(strides=(COLS, 2)), "input 'x': strides [32, 2] are not C-contiguous (expected [32, 1]); "
+                             "pass a contiguous array, e.g. x.contiguous()"),
+    (rec(ptr=0x10004), "input 'x': data pointer 0x10004 is not 16-byte aligned (a view with an offset?); "
+                       "pass a fresh contiguous copy, e.g. x.clone()"),
+    (rec(device=1), "input 'x': is on cuda:1, but the package is loaded on cuda:0"),
+    (rec(device=None), "input 'x': data pointer 0x10000 is not CUDA device memory"),
+    (rec(device=1, dtype="int64", strides=(1, ROWS)), "input 'x': dtype is int64, expected float32"),
+]
+
+
+@pytest.mark.parametrize("record, message", RECORDS)
+def test_array_check_is_check_array(record, message):
+    """run()'s shortcut (validate.ArrayCheck) passes and refuses exactly what check_array does,
+    with the same message, twice (the second time with the shape's strides remembered)."""
+    fast = validate.ArrayCheck("input 'x'", "float32", 0)
+    for _ in range(2):
+        for checker in (check, fast.check):
+            if message is None:
+                checker(record)
+            else:
+                with pytest.raises(InputError) as e:
+                    checker(record)
+                assert str(e.value) == message
 
 
 def test_size_one_dims_may_have_any_stride():
@@ -764,6 +804,29 @@ def test_bad_arguments_fail_before_any_launch(fake, pkg, call, message):
     with pytest.raises(InputError, match=message):
         call(sess)
     assert fake.launches == [] and sess._staging == {}
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda a: CaiArray(a, (ROWS, COLS), typestr="<f2"), r"^input 'x': dtype is float16, expected float32$"),
+    (lambda a: CaiArray(a, (ROWS, COLS), strides=(4, 4 * ROWS)),
+     r"^input 'x': strides \[1, 4\] are not C-contiguous \(expected \[32, 1\]\)"),
+    (lambda a: CaiArray(a + 4, (ROWS, COLS)), r"^input 'x': data pointer 0x[0-9a-f]+ is not 16-byte aligned"),
+    (lambda a: CaiArray(0x1230, (ROWS, COLS)), r"^input 'x': data pointer 0x1230 is not CUDA device memory$"),
+    (lambda a: CaiArray(a, (ROWS, COLS + 1)), r"^input 'x': shape is \[4, 33\], expected \[4, 32\]"),
+])
+def test_a_bad_device_input_after_good_ones_fails_as_the_first_call_would(fake, pkg, make, message):
+    """The shortcuts warmed by good calls (remembered strides, the shape plan, the writer's words)
+    change nothing for a bad one: the same error, nothing launched."""
+    a = driver.mem_alloc(2 * W_BYTES)
+    for warm in (False, True):
+        sess = pkg.session()
+        if warm:
+            for _ in range(2):
+                sess.run(CaiArray(a, (ROWS, COLS)))
+        launched = len(fake.launches)
+        with pytest.raises(InputError, match=message):
+            sess.run(make(a))
+        assert len(fake.launches) == launched
 
 
 def test_an_output_cannot_feed_its_own_session(fake, pkg):
