@@ -554,6 +554,85 @@ def test_bad_sizes_fail_before_anything_is_enqueued(fake, pkg, x, message):
     assert fake.launches == [] and sess._staging == {} and sess.instantiations == {} and sess.last_graph is None
 
 
+def expected_words(sess, x_ptr, n, out_ptr=None):
+    bound = next(b for b in BUCKETS if n <= b)
+    return [x_ptr, n, COLS, COLS, 1, out_ptr or sess._out_ptrs[0], n, COLS, COLS, 1,
+            sess._out_ptrs[1], bound, COLS, COLS, 1, n, 0]
+
+
+def test_setparams_only_when_the_words_change(fake, pkg):
+    """The same buffer at the same size: the table writer keeps the parameters set by the first
+    call and runs with them (the fake launches with the values the driver copied, not the runtime's
+    cells). A new pointer or a new size inside the same graph sets them again."""
+    sess = pkg.session()
+    a, b = device_x(64), device_x(64)
+    view = lambda x, n: CaiArray(x.__cuda_array_interface__["data"][0], (n, COLS))  # noqa: E731
+    ptr = lambda x: x.__cuda_array_interface__["data"][0]  # noqa: E731
+    steps = [(a, 20, True), (a, 20, False), (a, 20, False),   # same pointer, same size: once
+             (b, 20, True), (b, 20, False),                   # another pointer
+             (b, 21, True), (b, 21, False),                   # another size, the same graph n=32
+             (a, 21, True), (a, 20, True), (a, 20, False)]
+    for x, n, sets in steps:
+        before = len(fake.set_params)
+        sess.run(view(x, n))
+        assert len(fake.set_params) - before == (1 if sets else 0), (ptr(x), n)
+        assert sess.last_graph == "n=32" and writer_words(fake) == expected_words(sess, ptr(x), n)
+    assert sess.instantiations == {"n=32": 1}
+
+
+def test_graphs_that_alternate_keep_their_own_words(fake, pkg):
+    """The table is the session's, shared by its graphs, but each graph's table writer rewrites it
+    from its own parameters at every launch: after one SetParams each, graphs n=16 and n=32 take
+    turns without another, each launching with its own words."""
+    sess = pkg.session()
+    x = device_x(64)
+    ptr = x.__cuda_array_interface__["data"][0]
+    for k in range(6):
+        n = (5, 20, 40)[k % 3]
+        before = len(fake.set_params)
+        sess.run(CaiArray(ptr, (n, COLS)))
+        assert len(fake.set_params) - before == (1 if k < 3 else 0)
+        assert sess.last_graph == f"n={next(b for b in BUCKETS if n <= b)}" == launched_graph(fake, sess)
+        assert writer_words(fake) == expected_words(sess, ptr, n)
+
+
+def test_out_arrays_and_numpy_inputs_set_the_words_they_change(fake, pkg):
+    sess = pkg.session()
+    x = device_x(12)
+    ptr = x.__cuda_array_interface__["data"][0]
+    target = CaiArray(driver.mem_alloc(64 * COLS * 4), (12, COLS))
+    target_ptr = target.__cuda_array_interface__["data"][0]
+    for out, sets in ((None, True), ({"out": target}, True), ({"out": target}, False), (None, True)):
+        before = len(fake.set_params)
+        sess.run(x, out=out)
+        assert len(fake.set_params) - before == (1 if sets else 0)
+        assert writer_words(fake) == expected_words(sess, ptr, 12, out and target_ptr)
+    host = np.ones((12, COLS), np.float32)
+    for sets in (True, False):   # the staging buffer: the same pointer every call
+        before = len(fake.set_params)
+        sess.run(host)
+        assert len(fake.set_params) - before == (1 if sets else 0)
+        assert writer_words(fake) == expected_words(sess, sess._staging["x"], 12)
+
+
+def test_a_failed_setparams_is_tried_again(fake, pkg, monkeypatch):
+    """Words are remembered only once the driver took them."""
+    from grace.runtime.errors import GraceRuntimeError
+
+    sess = pkg.session()
+    x = device_x(20)
+    real = fake.cuGraphExecKernelNodeSetParams
+    monkeypatch.setattr(fake, "cuGraphExecKernelNodeSetParams",
+                        lambda e, node, p: (fake._real.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(GraceRuntimeError, match="cuGraphExecKernelNodeSetParams"):
+        sess.run(x)
+    monkeypatch.setattr(fake, "cuGraphExecKernelNodeSetParams", real)
+    before = len(fake.set_params)
+    sess.run(x)
+    assert len(fake.set_params) == before + 1
+    assert writer_words(fake) == expected_words(sess, x.__cuda_array_interface__["data"][0], 20)
+
+
 def test_run_host_overhead_is_small(fake, pkg):
     """Not a benchmark (the fake driver is Python): a guard against per-call work creeping into
     run(). The GPU run measures the real number (docs/performance.md)."""

@@ -409,7 +409,9 @@ class FakeDriver:
         self.graphs = 0           # cuGraphCreate calls
         self.instantiated = []    # graph handle per cuGraphInstantiate
         self.set_params = []      # (node index, kernelParams address) per SetParams
-        self.launches = []        # writer parameter values at each launch
+        self.launches = []        # the writer's parameter values each launch used
+        self.node_values = {}     # node index -> parameter values copied when it was added (writers)
+        self.exec_values = {}     # exec handle -> {node index: the values that exec launches with}
         self.launched = []        # (exec handle, writer node index) per launch
         self.copies_htod = 0
         self.edges = []           # (from node, to node, type, from_port) per added dependency
@@ -535,9 +537,12 @@ class FakeDriver:
 
     def cuGraphAddKernelNode(self, g, deps, n, p):
         assert n == len(deps)
-        self.nodes.append((self.functions[int(p.func)], (p.gridDimX, p.gridDimY, p.gridDimZ),
+        name = self.functions[int(p.func)]
+        self.nodes.append((name, (p.gridDimX, p.gridDimY, p.gridDimZ),
                            (p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes, p.kernelParams,
                            [int(d) - 1 for d in deps], int(g)))
+        if name in self.n_params:   # the driver copies the values now (and again at each SetParams)
+            self.node_values[len(self.nodes) - 1] = read_params(p.kernelParams, self.n_params[name])
         return (self.ok, self._real.CUgraphNode(len(self.nodes)))
 
     def cuGraphAddDependencies(self, g, from_, to, edges, n):
@@ -548,19 +553,24 @@ class FakeDriver:
 
     def cuGraphInstantiate(self, g, flags):
         self.instantiated.append(int(g))
+        self.exec_values[int(g) + 0x1000] = {i: list(v) for i, v in self.node_values.items()
+                                             if self.nodes[i][6] == int(g)}
         return (self.ok, self._real.CUgraphExec(int(g) + 0x1000))
 
     def cuGraphUpload(self, e, s): return (self.ok,)
 
     def cuGraphExecKernelNodeSetParams(self, e, node, p):
-        assert self.nodes[int(node) - 1][6] + 0x1000 == int(e), "SetParams on a node of another graph"
-        self.set_params.append((int(node) - 1, p.kernelParams))
+        i = int(node) - 1
+        assert self.nodes[i][6] + 0x1000 == int(e), "SetParams on a node of another graph"
+        self.set_params.append((i, p.kernelParams))
+        self.exec_values[int(e)][i] = read_params(p.kernelParams, self.n_params[self.nodes[i][0]])
         return (self.ok,)
 
     def cuGraphLaunch(self, e, s):
-        node, address = self.set_params[-1]
-        assert self.nodes[node][6] + 0x1000 == int(e), "launched a graph whose writer was not just set"
-        self.launches.append(read_params(address, self.n_params[self.nodes[node][0]]))
+        """Records the values the exec's table writer runs with: the node's as added, or as set
+        last on this exec (the driver's copies; the runtime's cells may have changed since)."""
+        ((node, values),) = self.exec_values[int(e)].items()
+        self.launches.append(list(values))
         self.launched.append((int(e), node))
         return (self.ok,)
 
