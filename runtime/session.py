@@ -91,6 +91,8 @@ class Session:
         # per input: what its arrays must be (dtype, this device, layout), and its name for messages
         self._input_checks = [ArrayCheck(f"input '{s.name}'", s.dtype, self._ordinal) for s in self._inputs]
         self._pointer_words = package.shapes.pointer_words  # per slot: index of its data-pointer word
+        self._input_words = [self._pointer_words[s.slot] for s in self._inputs]    # the pointer's word
+        self._output_words = [self._pointer_words[s.slot] for s in self._outputs]  # of each input, output
         self._graph_names = package.graph_names
         self._data_outputs = {o for o in range(len(self._outputs)) if self._shapes.data_symbols_of(o)}
         self._last = None  # (graph, symbol values, values with data symbols read) of the last run
@@ -146,8 +148,8 @@ class Session:
         if self._closed:
             raise GraceRuntimeError("this session was closed")
         self._device.make_current()
-        records = self._input_records(args, inputs)
-        call = self._shapes.prepare([rec.shape for rec in records])  # sizes, graph, words (cached)
+        records, shapes = self._input_records(args, inputs)
+        call = self._shapes.prepare(shapes)  # sizes, graph, words (cached)
         out_records = self._out_records(out, call.output_shapes) if out else None
         graph = self._graphs[call.graph] or self._instantiate(call.graph)
 
@@ -168,28 +170,31 @@ class Session:
         """This call's table words: the shape plan's, with the data pointers of the inputs (numpy
         ones copied to staging first) and of the outputs (the session's buffers, or out= arrays)."""
         words = call.words.copy()
-        at = self._pointer_words
-        for i, (spec, rec) in enumerate(zip(self._inputs, records)):
+        for i, (at, rec) in enumerate(zip(self._input_words, records)):
             ptr = rec.ptr
             if rec.host is not None:
-                ptr = self._stage(i, spec, rec.host)
+                ptr = self._stage(i, self._inputs[i], rec.host)
             elif rec.stream is not None:  # __cuda_array_interface__ v3: wait for the producer's stream
                 driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
-            words[at[spec.slot]] = ptr
-        for spec, ptr in zip(self._outputs, self._out_ptrs):
-            rec = out_records.get(spec.name) if out_records else None
-            if rec is not None:
-                if rec.stream is not None:
-                    driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
-                ptr = rec.ptr
-            words[at[spec.slot]] = ptr
+            words[at] = ptr
+        for at, ptr in zip(self._output_words, self._out_ptrs):
+            words[at] = ptr
+        if out_records:
+            for at, spec in zip(self._output_words, self._outputs):
+                rec = out_records.get(spec.name)
+                if rec is not None:
+                    if rec.stream is not None:
+                        driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
+                    words[at] = rec.ptr
         return words
 
     def _results(self, call, out, out_records) -> dict:
         """What run() returns: {output name: DeviceArray of this run, or the caller's out= array}."""
-        out_records = out_records or {}
-        return {spec.name: out[spec.name] if spec.name in out_records else self._output_array(o, shape)
-                for o, (spec, shape) in enumerate(zip(self._outputs, call.output_shapes))}
+        results = {}
+        for o, (spec, shape) in enumerate(zip(self._outputs, call.output_shapes)):
+            name = spec.name
+            results[name] = out[name] if out_records and name in out_records else self._output_array(o, shape)
+        return results
 
     # ----------------------------------------------------------------------------------- state
     def reset_state(self) -> None:
@@ -290,7 +295,7 @@ class Session:
         if o in self._data_outputs:  # dim 0 is known on the device only: read it on first use
             return DeviceArray(self._out_ptrs[o], None, spec.dtype, self._ordinal, self, spec.name,
                                shape_fn=functools.partial(self._true_shape, o))
-        return DeviceArray(self._out_ptrs[o], shape, spec.dtype, self._ordinal, self, spec.name)
+        return DeviceArray.of_session(self, self._out_ptrs[o], shape, spec.dtype, self._ordinal, spec.name)
 
     def _instantiate(self, g: int) -> ExecutableGraph:
         """Build, instantiate and upload graph g (its parameter cells start at zero: every launch
@@ -304,7 +309,8 @@ class Session:
         graph.upload(self._stream)
         return graph
 
-    def _input_records(self, args, named) -> list:
+    def _input_records(self, args, named) -> tuple:
+        """(records, shapes) of the inputs, each checked (InputError)."""
         names = self._input_names
         if named or len(args) != len(names):
             if len(args) > len(names):
@@ -321,7 +327,7 @@ class Session:
             if missing:
                 raise InputError(f"missing input(s) {missing}; the package's inputs are {names}")
             args = [given[n] for n in names]
-        records = []
+        records, shapes = [], []
         stream = self._stream_int
         for check, obj in zip(self._input_checks, args):
             rec = as_record(obj, check.what, stream)
@@ -332,7 +338,8 @@ class Session:
                 raise InputError(f"{check.what}: is an output of this session, whose buffers this run "
                                  "rewrites; copy it first, or pass it to another session")
             records.append(rec)
-        return records
+            shapes.append(rec.shape)
+        return records, shapes
 
     def _out_records(self, out, out_shapes) -> dict:
         if not isinstance(out, dict):

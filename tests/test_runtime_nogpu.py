@@ -315,6 +315,18 @@ def test_device_array_goes_stale_when_its_session_runs_again():
         a.shape
 
 
+def test_a_session_array_is_what_the_constructor_makes():
+    """run() makes its outputs with DeviceArray.of_session (no conversions): the same array."""
+    owner = Owner()
+    owner._generation = 7
+    fast = DeviceArray.of_session(owner, 0x2000, (2, 3), "float32", 1, "out0")
+    slow = DeviceArray(0x2000, (2, 3), "float32", 1, owner, "out0")
+    assert all(getattr(fast, k) == getattr(slow, k) for k in DeviceArray.__slots__ if k != "__weakref__")
+    owner._generation += 1
+    with pytest.raises(StaleOutputError):
+        fast.shape
+
+
 def test_device_array_protocols():
     a = DeviceArray(0x2000, (2, 3), "bfloat16", 1)
     cai = a.__cuda_array_interface__
@@ -837,6 +849,15 @@ def test_a_bad_device_input_after_good_ones_fails_as_the_first_call_would(fake, 
         with pytest.raises(InputError, match=message):
             sess.run(make(a))
         assert len(fake.launches) == launched
+
+
+def test_each_run_returns_new_arrays_and_stales_the_older_ones(fake, pkg):
+    sess = pkg.session()
+    x = CaiArray(driver.mem_alloc(W_BYTES), (ROWS, COLS))
+    first, second = sess.run(x)["out"], sess.run(x)["out"]
+    assert first is not second and second.shape == (ROWS, COLS) and second.ptr == sess._out_ptrs[0]
+    with pytest.raises(StaleOutputError):
+        first.ptr
 
 
 def test_an_output_cannot_feed_its_own_session(fake, pkg):

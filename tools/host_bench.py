@@ -80,8 +80,8 @@ def stage_functions(sess, args) -> dict:
     from grace.runtime import driver
 
     cu = driver.cuda()
-    records = sess._input_records(args, {})
-    call = sess._shapes.prepare([rec.shape for rec in records])
+    records, shapes = sess._input_records(args, {})
+    call = sess._shapes.prepare(shapes)
     graph = sess._graphs[call.graph]
     stream = sess._stream
     words = sess._table_words(call, records, None)
@@ -89,7 +89,7 @@ def stage_functions(sess, args) -> dict:
     return {
         "context": sess._device.make_current,
         "checks": lambda: sess._input_records(args, {}),
-        "shapes": lambda: sess._shapes.prepare([rec.shape for rec in records]),
+        "shapes": lambda: sess._shapes.prepare(shapes),
         "words": lambda: sess._table_words(call, records, None),
         "setparams": lambda: graph.set_words(words),
         "launch": lambda: cu.cuGraphLaunch(graph.exec, stream),
@@ -102,7 +102,7 @@ def time_stages(sess, args, number: int, repeats: int, sync=None) -> dict:
     not have the pieces (an older run())."""
     try:
         fns = stage_functions(sess, args)
-    except (AttributeError, TypeError) as e:
+    except (AttributeError, TypeError, ValueError) as e:
         return {"error": f"no per-stage breakdown for this runtime: {type(e).__name__}: {e}"}
     out = {name: per_call_us(fns[name], number, repeats, sync) for name in STAGES}
     out["loop"] = per_call_us(lambda: None, number, repeats)  # the timing loop's own cost per call
