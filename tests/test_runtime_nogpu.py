@@ -103,6 +103,23 @@ def test_import_does_not_pull_torch_triton_or_the_driver():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_runtime_imports_nothing_from_the_tools_or_the_compiler():
+    """Read from the sources, lazy imports inside functions included: grace.runtime depends on
+    grace.formats, numpy, msgpack and cuda-python only (the race proof it runs at load lives in
+    grace.formats.races)."""
+    import ast
+    from pathlib import Path
+
+    bad = []
+    for path in sorted(Path(rt.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.name}: {n}" for n in names
+                    if n.split(".")[0] in ("torch", "triton") or n.startswith(("grace.tools", "grace.aot"))]
+    assert not bad, bad
+
+
 def _has_gpu() -> bool:
     try:
         driver.Device(0).release()
