@@ -57,6 +57,12 @@ def _log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------ timing
 
+def _show(name: str, fig: dict) -> dict:
+    """Log one figure as soon as it is measured (a run cut short keeps what it saw); returns it."""
+    _log(f"{name}: {fig['median']:.2f} µs/call (min {fig['min']:.2f})")
+    return fig
+
+
 def per_call_us(fn, number: int, repeats: int, sync=None) -> dict:
     """µs per call of `fn`: `repeats` samples, each `number` calls between two perf_counter_ns
     reads (after `sync()` when given: a GPU's queue starts empty). Median and min of the samples."""
@@ -238,13 +244,13 @@ def _measure_fake(pkg, args, path) -> dict:
            "model": f"tiny BERT {TINY_BERT}", "input": args.input, "seq": args.seq,
            "graph": sess.last_graph}
     number, repeats = args.number, args.repeats
-    res["run_us"] = per_call_us(lambda: sess.run(*same), number, repeats)
+    res["run_us"] = _show("run_us", per_call_us(lambda: sess.run(*same), number, repeats))
     flip = [0]
 
     def alternating():   # a new pointer every call: the table writer's words change
         flip[0] ^= 1
         sess.run(*inputs[flip[0]])
-    res["run_alternating_us"] = per_call_us(alternating, number, repeats)
+    res["run_alternating_us"] = _show("run_alternating_us", per_call_us(alternating, number, repeats))
     sess.run(*same)
     res["stages_us"] = time_stages(sess, same, number, repeats)
     sess.close()
@@ -288,20 +294,22 @@ def _measure_gpu(pkg, args, path, dims) -> dict:
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": f"BERT {dims}", "input": "torch", "seq": args.seq, "graph": sess.last_graph}
     burst, repeats = args.burst, args.repeats
-    res["run_us"] = per_call_us(lambda: sess.run(ids), burst, repeats, sess.sync)
+    res["run_us"] = _show("run_us", per_call_us(lambda: sess.run(ids), burst, repeats, sess.sync))
     flip, pair = [0], (ids, other)
 
     def alternating():
         flip[0] ^= 1
         sess.run(pair[flip[0]])
-    res["run_alternating_us"] = per_call_us(alternating, burst, repeats, sess.sync)
+    res["run_alternating_us"] = _show("run_alternating_us",
+                                      per_call_us(alternating, burst, repeats, sess.sync))
 
     def run_sync():
         sess.run(ids)
         sess.sync()
-    res["run_sync_us"] = per_call_us(run_sync, 1, repeats)
+    res["run_sync_us"] = _show("run_sync_us", per_call_us(run_sync, 1, repeats))
     sess.run(ids)
     res["stages_us"] = time_stages(sess, (ids,), burst, repeats, sess.sync)
+    _log(f"stages: {json.dumps(res['stages_us'])}")
     sess.close()
 
     torch.manual_seed(0)
@@ -314,8 +322,9 @@ def _measure_gpu(pkg, args, path, dims) -> dict:
         def eager_sync():
             model(ids)
             torch.cuda.synchronize()
-        res["eager_sync_us"] = per_call_us(eager_sync, 1, repeats)
-        res["eager_host_us"] = per_call_us(lambda: model(ids), 1, repeats, torch.cuda.synchronize)
+        res["eager_sync_us"] = _show("eager_sync_us", per_call_us(eager_sync, 1, repeats))
+        res["eager_host_us"] = _show("eager_host_us",
+                                     per_call_us(lambda: model(ids), 1, repeats, torch.cuda.synchronize))
     return res
 
 
@@ -323,7 +332,8 @@ def _measure_gpu(pkg, args, path, dims) -> dict:
 
 def report(res: dict) -> str:
     def fig(x) -> str:
-        return f"{x['median']:8.2f} µs/call  (min {x['min']:.2f}; median of {x['repeats']} x {x['number']} calls)"
+        return (f"{x['median']:8.2f} µs/call  (min {x['min']:.2f}; median of {x['repeats']} x "
+                f"{x['number']} calls)")
 
     head = ("fake CUDA driver (CPU; driver calls are Python, the figure is run()'s Python)"
             if res["mode"] == "fake" else res["device"])
