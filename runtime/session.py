@@ -9,12 +9,14 @@ that no graph is rebuilt while sizes vary inside a bucket. Sessions of one packa
 and weights. Calls on one session are ordered on its stream, so the table and the arena are never
 rewritten while an earlier launch may still read them, whichever graph it was.
 
-run(): check every argument (dtype, device, layout), resolve the symbols from the input shapes and
-select the graph (calls.ShapePlan.prepare; InputError before anything is enqueued) -> copy numpy
-inputs to staging -> the table words (true sizes, strides and symbol values, cached per size
-combination; this call's data pointers) into the chosen graph's table-writer parameter cells ->
-cuGraphExecKernelNodeSetParams + cuGraphLaunch. Returns DeviceArrays with the true shapes, stale
-after the next run().
+run(): check every argument (dtype, device, layout: validate.ArrayCheck per input), resolve the
+symbols from the input shapes and select the graph (calls.ShapePlan.prepare, remembered per input
+shapes; InputError before anything is enqueued) -> copy numpy inputs to staging -> the table words
+(true sizes, strides and symbol values from the shape plan; this call's data pointers) into the
+chosen graph's table-writer parameter cells and cuGraphExecKernelNodeSetParams, both skipped when
+the words are the ones that graph was launched with last -> cuGraphLaunch. Returns DeviceArrays
+with the true shapes, stale after the next run(). The host time of all this, stage by stage:
+`python -m grace.tools.host_bench` (CPU, fake driver) or `--gpu`.
 
 Data-dependent sizes: an output whose dim 0 uses a data symbol is allocated at the graph's bound;
 its true size is computed by a kernel into the table's extents words. Its DeviceArray reads that word
