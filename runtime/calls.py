@@ -193,9 +193,18 @@ class ShapePlan:
         if call is None:
             call = self._prepare(key)
             if len(self._calls) >= self.CACHE_SIZE:
-                del self._calls[next(iter(self._calls))]
+                self._forget_oldest()
             self._calls[key] = call
         return call
+
+    def _forget_oldest(self) -> None:
+        """Drop the cache's oldest entry. Sessions on other threads share this plan: one of them may
+        change the dict between iter() and next(), or drop the same entry first; the cache is then
+        one entry over its size for a moment, which is harmless."""
+        try:
+            del self._calls[next(iter(self._calls))]
+        except (RuntimeError, KeyError, StopIteration):
+            pass
 
     def _prepare(self, shapes) -> Call:
         values = self.resolve(shapes)
