@@ -8,7 +8,9 @@ machines without a GPU.
 One module per shared fact: `manifest.validate_manifest` is the one check of a manifest,
 `view` the one typed reading of what it accepted (SPEC defaults filled in), `table` the
 argument-table layout that the compiler, the runtime and the tools all use, `archs` the rules
-about architecture names (parsing, PDL support, SM counts, which arch a GPU runs).
+about architecture names (parsing, PDL support, SM counts, which arch a GPU runs), `races` the
+proof from a manifest alone that a package's graphs have no races (grace verify, and the runtime's
+load).
 """
 
 from .container import FORMAT_VERSION

@@ -16,9 +16,10 @@ The lifecycle, module by module:
     LoadedPackage.session allocate (arena, table, output buffers for the largest bucket) -> graphs
                       (graph.ExecutableGraph: one kernel node per manifest node, explicit, no capture),
                       instantiated on first use or eagerly (load(..., instantiate="eager"))
-    Session.run       validate inputs (validate.check_array, calls: symbols, ranges, graph choice;
-                      all before any launch) -> table words into the chosen graph's table-writer node
-                      (SetParams) -> cuGraphLaunch -> DeviceArrays with the true shapes (arrays)
+    Session.run       validate inputs (validate.ArrayCheck, calls: symbols, ranges, graph choice,
+                      remembered per input shapes; all before any launch) -> table words into the
+                      chosen graph's table-writer node (SetParams, when they changed) -> cuGraphLaunch
+                      -> DeviceArrays with the true shapes (arrays); tools/host_bench.py times it
     state             format 3.0 (docs/design-state.md): each session owns `regions.state` bytes,
                       initialised from the package (state.plan_state) and kept across runs;
                       Session.reset_state / read_state

@@ -71,6 +71,15 @@ class DeviceArray:
         self._generation = owner._generation if owner is not None else 0
         self._name = name
 
+    @classmethod
+    def of_session(cls, owner, ptr: int, shape: tuple, dtype: str, device: int, name: str) -> "DeviceArray":
+        """An output of `owner`'s current run: what __init__ makes of arguments that already are an
+        int pointer and a tuple shape, without its conversions (run() makes one per output)."""
+        array = cls.__new__(cls)
+        array._ptr, array._shape, array._shape_fn, array._dtype = ptr, shape, None, dtype
+        array._device, array._owner, array._generation, array._name = device, owner, owner._generation, name
+        return array
+
     def _check(self) -> None:
         owner = self._owner
         if owner is not None and owner._generation != self._generation:
@@ -172,6 +181,9 @@ class DeviceArray:
 def as_record(obj, what: str, dlpack_stream: int) -> ArrayRecord:
     """Describe `obj` (see the module docstring for the order of preference). `what` names the
     argument in errors ("input 'x'"); `dlpack_stream` is the stream the data will be read on."""
+    module = type(obj).__module__   # asked first: torch tensors are the common case (and none of
+    if module == "torch" or module.startswith("torch."):   # them is a DeviceArray or numpy array)
+        return _from_torch(obj, what)
     if isinstance(obj, DeviceArray):
         return ArrayRecord(obj.ptr, obj.shape, None, obj._dtype, obj._device, owner=obj._owner)
     if isinstance(obj, np.ndarray):
@@ -179,9 +191,6 @@ def as_record(obj, what: str, dlpack_stream: int) -> ArrayRecord:
             raise InputError(f"{what}: numpy masked arrays are not supported (the kernels would read "
                              "the masked values); pass arr.filled(value) or arr.data")
         return _from_numpy(obj, what)
-    module = type(obj).__module__
-    if module == "torch" or module.startswith("torch."):
-        return _from_torch(obj, what)
     try:
         cai = obj.__cuda_array_interface__
     except Exception:  # missing, or refused (torch raises for bf16 and for requires_grad)

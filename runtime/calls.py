@@ -13,10 +13,10 @@ the data pointers left 0), which is what run() uses.
 
 `ShapePlan(view)` does the manifest walking once, at load: per input the (dim, symbol) pairs to read
 and the static dims to compare, per graph its bounds in selection order, per output its dims compiled
-to ints or closures over the values list. Per call, the input shapes are checked every time, but
-everything after that depends only on the symbol values, so `prepare` caches it by the values tuple:
-a call whose sizes were seen before costs one resolve, one dict lookup and a list copy. run() has a
-host budget of a few microseconds. The manifest has passed grace.formats' validation (symbols,
+to ints or closures over the values list. Everything `prepare` computes depends on the input shapes
+alone (they are checked, and give the symbol values), so it caches the Call by the tuple of shapes:
+a call whose shapes were seen before costs one dict lookup. run() has a host budget of a few
+microseconds. The manifest has passed grace.formats' validation (symbols,
 sources, buckets, expressions; formats.view); the arithmetic of shape expressions is
 grace.formats.shapes' (Python ints: `//` floors), compiled here to list indexing instead of a
 name -> value dict per call. The table words are laid out by grace.formats.table.
@@ -161,7 +161,7 @@ class ShapePlan:
         self._slot_of_output = [t.slot for t in m.outputs]
         self._n_slots = len(m.table.slots)
         self.pointer_words = [slot.first_word for slot in m.table.slots]  # per slot: its data pointer's word
-        self._calls = {}  # symbol values tuple -> Call
+        self._calls = {}  # input shapes (a tuple of tuples) -> Call: prepare()'s cache
 
         graphs = m.graphs
         self.graph_names = [g.name for g in graphs]
@@ -176,21 +176,42 @@ class ShapePlan:
                 out.capacity = self.output_capacity(o)
 
     # ---------------------------------------------------------------------------- per call
-    CACHE_SIZE = 256  # distinct size combinations remembered; a workload cycles through a few
+    CACHE_SIZE = 256  # distinct input-shape combinations remembered; a workload cycles through a few
 
     def prepare(self, shapes) -> Call:
-        """resolve + select + output shapes + table words (pointers 0) for these input shapes."""
-        values = self.resolve(shapes)
-        key = tuple(values)
-        call = self._calls.get(key)
+        """resolve + select + output shapes + table words (pointers 0) for these input shapes
+        (tuples of ints, one per input in manifest order). All of it depends on the shapes alone,
+        so the Call is remembered by the shapes: a call whose shapes were seen before costs one
+        dict lookup. Bad shapes raise every time (a failure is never remembered). When full, the
+        oldest entry goes: a hit does no bookkeeping."""
+        key = tuple(shapes)
+        try:
+            call = self._calls.get(key)
+        except TypeError:  # a shape given as a list
+            key = tuple(tuple(shape) for shape in shapes)
+            call = self._calls.get(key)
         if call is None:
-            g = self.select(values)
-            out_shapes = self.output_shapes(values, g)
-            words = table_words([0] * self._n_slots, self.slot_shapes(shapes, out_shapes), values)
+            call = self._prepare(key)
             if len(self._calls) >= self.CACHE_SIZE:
-                self._calls.clear()
-            call = self._calls[key] = Call(values, g, out_shapes, words)
+                self._forget_oldest()
+            self._calls[key] = call
         return call
+
+    def _forget_oldest(self) -> None:
+        """Drop the cache's oldest entry. Sessions on other threads share this plan: one of them may
+        change the dict between iter() and next(), or drop the same entry first; the cache is then
+        one entry over its size for a moment, which is harmless."""
+        try:
+            del self._calls[next(iter(self._calls))]
+        except (RuntimeError, KeyError, StopIteration):
+            pass
+
+    def _prepare(self, shapes) -> Call:
+        values = self.resolve(shapes)
+        g = self.select(values)
+        out_shapes = self.output_shapes(values, g)
+        words = table_words([0] * self._n_slots, self.slot_shapes(shapes, out_shapes), values)
+        return Call(values, g, out_shapes, words)
 
     def resolve(self, shapes) -> list:
         """Symbol values from the input shapes (manifest order), data symbols 0. InputError for a

@@ -63,6 +63,12 @@ def from_dlpack(code: int, bits: int, lanes: int = 1):
     return _FROM_DLPACK.get((code, bits))
 
 
+_FROM_TORCH = {}  # torch dtype -> name, each remembered on first sight (run() asks every call)
+
+
 def from_torch(dtype) -> str:
     """torch.float32 -> 'float32' without importing torch (str(torch.float32) == 'torch.float32')."""
-    return str(dtype).rpartition(".")[2]
+    name = _FROM_TORCH.get(dtype)
+    if name is None:
+        name = _FROM_TORCH[dtype] = str(dtype).rpartition(".")[2]
+    return name

@@ -10,7 +10,8 @@
     ExecutableGraph(plans, ...)      driver; cuGraphCreate, cuGraphAddKernelNode per node,
                                      cuGraphInstantiate. Per call, launch(words): the table words go
                                      into the parameter cells of the nodes that take them (the table
-                                     writer), one cuGraphExecKernelNodeSetParams each, cuGraphLaunch.
+                                     writer), one cuGraphExecKernelNodeSetParams each (none when
+                                     they are the words set last on this graph), cuGraphLaunch.
     plan_node(...)                   one node as a NodePlan, shared by plan_graph and the generate
                                      step (runtime/generate.py).
     GenerationGraph(...)             driver; generate()'s token loop as one graph with a WHILE
@@ -26,8 +27,9 @@ already built `void**` (cuda/bindings/_lib/utils.pxi, `_HelperKernelParams`: "us
 configured void** address"). So each node owns a ParamBlock: one 8-byte cell per parameter (pointers
 and i64 words alike; an i32 parameter reads the low half, little-endian) and a `void*[]` pointing at
 the cells. The driver copies the values when a node is added and on every SetParams, so the table
-writer's cells are simply rewritten in place before each call (slice assignments, precomputed as
-runs of consecutive words), with no Python objects rebuilt.
+writer's cells are simply rewritten in place before a call (slice assignments, precomputed as
+runs of consecutive words), with no Python objects rebuilt; and only when the words differ from
+the ones set last on that graph (ExecutableGraph.set_words).
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ class ExecutableGraph:
         self._keep = []      # every node's ParamBlock and CUDA_KERNEL_NODE_PARAMS, for the graph's life
         self._dynamic = []   # (node, CUDA_KERNEL_NODE_PARAMS) of nodes that take table words
         self._runs = []      # (cells, first position, first word, end word): one slice copy each
+        self._words = None   # the table words last set on the instantiated graph (None: not yet)
         try:
             nodes = []
             for plan in plans:
@@ -211,8 +214,21 @@ class ExecutableGraph:
         call(self._cu.cuGraphUpload, self.exec, stream)
 
     def launch(self, words, stream) -> None:
-        """Write this call's table words into the parameter cells, SetParams on each node that takes
-        them (the table writer), then launch. The hot path."""
+        """Write this call's table words into the graph, then launch it. The hot path."""
+        self.set_words(words)
+        result = self._cu.cuGraphLaunch(self.exec, stream)
+        if result[0]:
+            check(result, "cuGraphLaunch")
+
+    def set_words(self, words) -> None:
+        """Write the table words into the parameter cells, SetParams on each node that takes them
+        (the table writer). Skipped when `words` equal the last words set on this graph: the
+        instantiated graph keeps its nodes' parameters from one launch to the next, and its table
+        writer runs at every launch, rewriting the session's table (which other graphs of the
+        session rewrite with theirs) from them. A serving loop that passes the same buffers at the
+        same sizes pays no SetParams."""
+        if words == self._words:
+            return
         for cells, pos, first, end in self._runs:
             cells[pos:pos + end - first] = words[first:end]
         cu, exe = self._cu, self.exec
@@ -220,9 +236,7 @@ class ExecutableGraph:
             result = cu.cuGraphExecKernelNodeSetParams(exe, node, params)
             if result[0]:
                 check(result, "cuGraphExecKernelNodeSetParams")
-        result = cu.cuGraphLaunch(exe, stream)
-        if result[0]:
-            check(result, "cuGraphLaunch")
+        self._words = list(words)
 
     def destroy(self) -> None:
         cu = self._cu
@@ -257,7 +271,7 @@ class GenerationGraph(ExecutableGraph):
         self._cu = cu
         self.graph = call(cu.cuGraphCreate, 0)
         self.exec = None
-        self._keep, self._dynamic, self._runs = [], [], []
+        self._keep, self._dynamic, self._runs, self._words = [], [], [], None
         try:
             handle = call(cu.cuGraphConditionalHandleCreate, self.graph, ctx, 0, 0)
             self._keep.append(handle)

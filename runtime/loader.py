@@ -11,7 +11,7 @@
               (SPEC §5.1: exact, else sm_XYa, else the newest earlier minor of its major), and with
               it the kernel binaries and (format 3.5) the variant: the graphs that serve that arch,
               the only ones planned, selected and launched (PackageMismatchError when none fits)
-    races     the race proof of `grace verify` (grace.tools.races) on the manifest: every pair of
+    races     the race proof of `grace verify` (grace.formats.races) on the manifest: every pair of
               nodes touching overlapping bytes, one writing, is ordered by edges (InvalidPackageError)
     kernels   cuModuleLoadData + cuModuleGetFunction per kernel, each checked against its binary
               (abi.py: parameter count and sizes, threads per block, static + dynamic shared
@@ -95,11 +95,11 @@ def load(path, device: int = 0, instantiate: str = "lazy", pdl: bool = True,
 
 
 def _check_races(manifest) -> None:
-    """The race proof of `grace verify` (grace.tools.races, SPEC §5.3), before the GPU is touched:
+    """The race proof of `grace verify` (grace.formats.races, SPEC §5.3), before the GPU is touched:
     every pair of nodes whose ranges overlap, one writing, is ordered by a path of edges. A package
     whose kernels do not declare `writes` (before format 3.2) cannot be judged and is not refused.
     Pure Python on the manifest (no torch, no Triton): a sweep over each resource's ranges."""
-    from grace.tools.races import check_races
+    from grace.formats.races import check_races
 
     problems = check_races(manifest)
     if problems:

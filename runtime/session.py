@@ -9,12 +9,14 @@ that no graph is rebuilt while sizes vary inside a bucket. Sessions of one packa
 and weights. Calls on one session are ordered on its stream, so the table and the arena are never
 rewritten while an earlier launch may still read them, whichever graph it was.
 
-run(): check every argument (dtype, device, layout), resolve the symbols from the input shapes and
-select the graph (calls.ShapePlan.prepare; InputError before anything is enqueued) -> copy numpy
-inputs to staging -> the table words (true sizes, strides and symbol values, cached per size
-combination; this call's data pointers) into the chosen graph's table-writer parameter cells ->
-cuGraphExecKernelNodeSetParams + cuGraphLaunch. Returns DeviceArrays with the true shapes, stale
-after the next run().
+run(): check every argument (dtype, device, layout: validate.ArrayCheck per input), resolve the
+symbols from the input shapes and select the graph (calls.ShapePlan.prepare, remembered per input
+shapes; InputError before anything is enqueued) -> copy numpy inputs to staging -> the table words
+(true sizes, strides and symbol values from the shape plan; this call's data pointers) into the
+chosen graph's table-writer parameter cells and cuGraphExecKernelNodeSetParams, both skipped when
+the words are the ones that graph was launched with last -> cuGraphLaunch. Returns DeviceArrays
+with the true shapes, stale after the next run(). The host time of all this, stage by stage:
+`python -m grace.tools.host_bench` (CPU, fake driver) or `--gpu`.
 
 Data-dependent sizes: an output whose dim 0 uses a data symbol is allocated at the graph's bound;
 its true size is computed by a kernel into the table's extents words. Its DeviceArray reads that word
@@ -57,7 +59,7 @@ from .driver import call
 from .errors import GraceRuntimeError, InputError, InvalidPackageError
 from .generate import COUNT, require
 from .graph import ExecutableGraph, GenerationGraph, table_word_count
-from .validate import check_array, check_shape, check_writable
+from .validate import ArrayCheck, check_array, check_shape, check_writable
 
 
 class Session:
@@ -88,8 +90,11 @@ class Session:
         self._shapes = package.shapes
         self._input_names = [s.name for s in self._inputs]
         self._output_index = {s.name: o for o, s in enumerate(self._outputs)}
-        self._what = [f"input '{s.name}'" for s in self._inputs]  # for error messages, made once
+        # per input: what its arrays must be (dtype, this device, layout), and its name for messages
+        self._input_checks = [ArrayCheck(f"input '{s.name}'", s.dtype, self._ordinal) for s in self._inputs]
         self._pointer_words = package.shapes.pointer_words  # per slot: index of its data-pointer word
+        self._input_words = [self._pointer_words[s.slot] for s in self._inputs]    # the pointer's word
+        self._output_words = [self._pointer_words[s.slot] for s in self._outputs]  # of each input, output
         self._graph_names = package.graph_names
         self._data_outputs = {o for o in range(len(self._outputs)) if self._shapes.data_symbols_of(o)}
         self._last = None  # (graph, symbol values, values with data symbols read) of the last run
@@ -145,41 +150,53 @@ class Session:
         if self._closed:
             raise GraceRuntimeError("this session was closed")
         self._device.make_current()
-        records = self._input_records(args, inputs)
-        call = self._shapes.prepare([rec.shape for rec in records])  # sizes, graph, words (cached)
-        g, out_shapes = call.graph, call.output_shapes
-        out_records = self._out_records(out, out_shapes) if out else {}
-        graph = self._graphs[g] or self._instantiate(g)
+        records, shapes = self._input_records(args, inputs)
+        call = self._shapes.prepare(shapes)  # sizes, graph, words (cached)
+        out_records = self._out_records(out, call.output_shapes) if out else None
+        graph = self._graphs[call.graph] or self._instantiate(call.graph)
 
         # Every argument is valid: from here on only device work is enqueued.
-        words = call.words.copy()
-        at = self._pointer_words
-        for i, (spec, rec) in enumerate(zip(self._inputs, records)):
-            ptr = rec.ptr
-            if rec.host is not None:
-                ptr = self._stage(i, spec, rec.host)
-            elif rec.stream is not None:  # __cuda_array_interface__ v3: wait for the producer's stream
-                driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
-            words[at[spec.slot]] = ptr
-        for spec, ptr in zip(self._outputs, self._out_ptrs):
-            rec = out_records.get(spec.name)
-            if rec is not None:
-                if rec.stream is not None:
-                    driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
-                ptr = rec.ptr
-            words[at[spec.slot]] = ptr
-        graph.launch(words, self._stream)
+        graph.launch(self._table_words(call, records, out_records), self._stream)
 
         self._generation += 1
-        self._last = (g, call.values, None)
-        self.last_graph = self._graph_names[g]
+        self._last = (call.graph, call.values, None)
+        self.last_graph = self._graph_names[call.graph]
         # Hold the caller's arrays (and DLPack capsules) until the next run, so a temporary passed to
         # run() is not freed and its memory reused while the graph may still read it.
         self._keep = (args, inputs, records, out)
-        return {spec.name: out[spec.name] if spec.name in out_records else self._output_array(o, shape)
-                for o, (spec, shape) in enumerate(zip(self._outputs, out_shapes))}
+        return self._results(call, out, out_records)
 
     __call__ = run
+
+    def _table_words(self, call, records, out_records) -> list:
+        """This call's table words: the shape plan's, with the data pointers of the inputs (numpy
+        ones copied to staging first) and of the outputs (the session's buffers, or out= arrays)."""
+        words = call.words.copy()
+        for i, (at, rec) in enumerate(zip(self._input_words, records)):
+            ptr = rec.ptr
+            if rec.host is not None:
+                ptr = self._stage(i, self._inputs[i], rec.host)
+            elif rec.stream is not None:  # __cuda_array_interface__ v3: wait for the producer's stream
+                driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
+            words[at] = ptr
+        for at, ptr in zip(self._output_words, self._out_ptrs):
+            words[at] = ptr
+        if out_records:
+            for at, spec in zip(self._output_words, self._outputs):
+                rec = out_records.get(spec.name)
+                if rec is not None:
+                    if rec.stream is not None:
+                        driver.stream_wait(self._stream, driver.as_stream(rec.stream), self._event)
+                    words[at] = rec.ptr
+        return words
+
+    def _results(self, call, out, out_records) -> dict:
+        """What run() returns: {output name: DeviceArray of this run, or the caller's out= array}."""
+        results = {}
+        for o, (spec, shape) in enumerate(zip(self._outputs, call.output_shapes)):
+            name = spec.name
+            results[name] = out[name] if out_records and name in out_records else self._output_array(o, shape)
+        return results
 
     # ----------------------------------------------------------------------------------- state
     def reset_state(self) -> None:
@@ -280,7 +297,7 @@ class Session:
         if o in self._data_outputs:  # dim 0 is known on the device only: read it on first use
             return DeviceArray(self._out_ptrs[o], None, spec.dtype, self._ordinal, self, spec.name,
                                shape_fn=functools.partial(self._true_shape, o))
-        return DeviceArray(self._out_ptrs[o], shape, spec.dtype, self._ordinal, self, spec.name)
+        return DeviceArray.of_session(self, self._out_ptrs[o], shape, spec.dtype, self._ordinal, spec.name)
 
     def _instantiate(self, g: int) -> ExecutableGraph:
         """Build, instantiate and upload graph g (its parameter cells start at zero: every launch
@@ -294,7 +311,8 @@ class Session:
         graph.upload(self._stream)
         return graph
 
-    def _input_records(self, args, named) -> list:
+    def _input_records(self, args, named) -> tuple:
+        """(records, shapes) of the inputs, each checked (InputError)."""
         names = self._input_names
         if named or len(args) != len(names):
             if len(args) > len(names):
@@ -311,14 +329,19 @@ class Session:
             if missing:
                 raise InputError(f"missing input(s) {missing}; the package's inputs are {names}")
             args = [given[n] for n in names]
-        records = []
-        for spec, what, obj in zip(self._inputs, self._what, args):
-            rec = self._record(obj, what, spec.dtype)
+        records, shapes = [], []
+        stream = self._stream_int
+        for check, obj in zip(self._input_checks, args):
+            rec = as_record(obj, check.what, stream)
+            if rec.device is None:  # __cuda_array_interface__ does not say which GPU: ask the driver
+                rec.device = driver.pointer_device(rec.ptr)
+            check.check(rec)
             if rec.owner is self:
-                raise InputError(f"{what}: is an output of this session, whose buffers this run "
+                raise InputError(f"{check.what}: is an output of this session, whose buffers this run "
                                  "rewrites; copy it first, or pass it to another session")
             records.append(rec)
-        return records
+            shapes.append(rec.shape)
+        return records, shapes
 
     def _out_records(self, out, out_shapes) -> dict:
         if not isinstance(out, dict):

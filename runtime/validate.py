@@ -4,10 +4,16 @@ calls.ShapePlan (inputs: symbols, ranges, static dims) and `check_shape` (out= a
 
 An array arrives as an ArrayRecord (see arrays.as_record): pointer, shape, strides in elements
 (None = C-contiguous), dtype name and device ("cpu" for numpy arrays that will be copied in).
+
+run() checks each input through its ArrayCheck (made once per session and input): the common case,
+an array that fits, passes in a few comparisons; anything else goes to check_array, which raises
+the error (the same one, whichever way the array came in) or passes what the shortcut does not
+cover (a size-1 dim with any stride, an empty array at any address).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 from .errors import InputError
@@ -65,6 +71,10 @@ def contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
+# the C-contiguous strides of the shapes seen lately (the shortcut's comparison)
+_contiguous = functools.lru_cache(maxsize=256)(contiguous_strides)
+
+
 def is_contiguous(shape, strides) -> bool:
     """C-contiguous in elements; dimensions of size 1 may carry any stride (torch does that)."""
     if strides is None:
@@ -102,6 +112,24 @@ def check_array(what: str, rec: ArrayRecord, dtype: str, device: int) -> None:
     if numel and rec.ptr % ALIGNMENT:
         raise InputError(f"{what}: data pointer {rec.ptr:#x} is not {ALIGNMENT}-byte aligned (a view "
                          "with an offset?); pass a fresh contiguous copy, e.g. x.clone()")
+
+
+class ArrayCheck:
+    """check_array for one slot, its arguments fixed: `check(rec)` is check_array(what, rec, dtype,
+    device), with a shortcut for the array that fits (the dtype, on the device, aligned, strides
+    None or exactly the C-contiguous ones of its shape)."""
+
+    __slots__ = ("what", "dtype", "device")
+
+    def __init__(self, what: str, dtype: str, device: int):
+        self.what, self.dtype, self.device = what, dtype, device
+
+    def check(self, rec: ArrayRecord) -> None:
+        if rec.dtype == self.dtype and rec.device == self.device and not rec.ptr % ALIGNMENT:
+            strides = rec.strides
+            if strides is None or strides == _contiguous(rec.shape):
+                return
+        check_array(self.what, rec, self.dtype, self.device)
 
 
 def check_shape(what: str, shape, expected) -> None:

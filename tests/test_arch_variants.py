@@ -161,7 +161,7 @@ def test_each_variant_is_what_a_build_for_its_arch_alone_makes(builds):
 
 def test_both_variants_pass_grace_verify_and_the_race_checks(builds, capsys):
     from grace.tools import cli
-    from grace.tools.races import check_pre_wait, check_races
+    from grace.formats.races import check_pre_wait, check_races
 
     for name in ("lm", "mlp"):
         pkg = read_package(builds[name])

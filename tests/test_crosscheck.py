@@ -274,7 +274,7 @@ def test_the_memory_plan_must_keep_live_buffers_apart(bases):
 
 
 def test_a_removed_edge_is_a_race_refused_at_load(bases, monkeypatch):
-    """Edges are not in the records: the race proof (tools/races.py) judges them, in `grace verify`
+    """Edges are not in the records: the race proof (formats/races.py) judges them, in `grace verify`
     and at load, before the GPU is touched."""
     import grace.runtime as rt
     from grace.runtime import driver

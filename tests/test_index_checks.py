@@ -316,7 +316,7 @@ def test_manifest_lists_the_checks(built):
 @pytest.mark.slow
 def test_race_checker_lets_codes_commute_but_catches_a_missing_edge(built):
     from grace.formats import read_package
-    from grace.tools.races import check_races
+    from grace.formats.races import check_races
 
     m = read_package(built["gathers_path"]).manifest
     assert check_races(m) == []

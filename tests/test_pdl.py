@@ -2,7 +2,7 @@
 compiled with pdl=True has
 programmatic kernel->kernel edges and kernels that wait before touching anything but weights; the
 sm_80 build of the same model has neither; both are proven race-free from the manifest by
-`grace.tools.races` (which also catches a planted missing edge and a planted early read); and the
+`grace.formats.races` (which also catches a planted missing edge and a planted early read); and the
 interpreter gives bit-identical results for both builds."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from grace.aot import compile as grace_compile  # noqa: E402
 from grace.formats import read_package  # noqa: E402
 from grace.formats.package import pack_package_bytes  # noqa: E402
 from grace.tools.models import CachedLlama  # noqa: E402
-from grace.tools.races import check_pre_wait, check_races  # noqa: E402
+from grace.formats.races import check_pre_wait, check_races  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MAX_SEQ = 32

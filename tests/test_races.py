@@ -1,4 +1,4 @@
-"""grace.tools.races on synthetic manifests: the sweep finds exactly the pairs the definition
+"""grace.formats.races on synthetic manifests: the sweep finds exactly the pairs the definition
 names (compared with a plain all-pairs check on random graphs), and a graph at the manifest's
 node cap is checked in seconds, with a planted missing edge still caught.
 
@@ -15,7 +15,7 @@ import time
 import pytest
 
 from grace.formats import limits
-from grace.tools.races import MAX_PROBLEMS, check_races
+from grace.formats.races import MAX_PROBLEMS, check_races
 
 SLOTS = [{"name": "x", "role": "input", "offset": 0, "rank": 1},
          {"name": "y", "role": "output", "offset": 32, "rank": 1}]
@@ -28,7 +28,7 @@ def reference_problems(manifest) -> list[str]:
     """The definition, pair by pair: every two accesses of one graph that overlap, by two nodes,
     one of them writing (two stores of exactly the error word by nodes other than 0 excepted),
     with no path of edges between the nodes. O(n²) pairs; for small graphs only."""
-    from grace.tools.races import _accesses, _label
+    from grace.formats.races import _accesses, _label
 
     errors = manifest["table"].get("errors")
     word = (errors["offset"], errors["offset"] + 8) if errors else None

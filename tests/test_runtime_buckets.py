@@ -247,9 +247,75 @@ def test_prepare_caches_the_shape_work_of_each_size_combination(plan):
     assert plan.prepare([(3, 51, 4), (3, 3)]).values == [3, 51, 0]  # other sizes: a new one
     with pytest.raises(InputError, match="must be equal"):         # inputs are checked every call
         plan.prepare([(3, 50, 4), (4, 3)])
-    for s in range(1, plan.CACHE_SIZE + 2):                         # bounded: cleared when full
+    for s in range(1, plan.CACHE_SIZE + 2):                         # bounded: the oldest goes
         plan.prepare([(1, s % 128 + 1, 4), (1, 3)])
     assert len(plan._calls) <= plan.CACHE_SIZE
+
+
+def uncached(plan, shapes):
+    """What prepare() computes, from the public steps, without any cache."""
+    values = plan.resolve(shapes)
+    g = plan.select(values)
+    out_shapes = plan.output_shapes(values, g)
+    words = table_words([0] * len(plan.pointer_words), plan.slot_shapes(shapes, out_shapes), values)
+    return values, g, out_shapes, words
+
+
+def test_the_cached_call_is_the_uncached_one_for_every_size(plan):
+    """Twice over every size combination (the second pass from the cache): the same values, graph,
+    output shapes and words as the steps computed from scratch."""
+    sizes = [(b, s) for b in (1, 3, 4, 5, 8) for s in (1, 2, 63, 64, 65, 127, 128)]
+    for _ in range(2):
+        for b, s in sizes:
+            shapes = [(b, s, 4), (b, 3)]
+            call = plan.prepare(shapes)
+            assert (call.values, call.graph, call.output_shapes, call.words) == uncached(plan, shapes)
+    assert len(plan._calls) == len(sizes)
+
+
+def test_different_sizes_select_different_graphs_through_the_cache(plan):
+    """Graphs in cost order b=4,s=64 (1), b=8,s=64 (2), b=4,s=128 (3), b=8,s=128 (0); each size
+    keeps its own graph however the calls interleave."""
+    expect = {(4, 64): 1, (5, 64): 2, (4, 65): 3, (5, 65): 0, (1, 1): 1, (8, 128): 0}
+    for _ in range(3):
+        for (b, s), g in expect.items():
+            call = plan.prepare([(b, s, 4), (b, 3)])
+            assert call.graph == g and call.output_shapes[0] == (b, s, 4)
+            assert call.words[-3:] == [b, s, 0]   # the symbol words: b, s, and k (computed on the device)
+
+
+@pytest.mark.parametrize("shapes, message", [
+    ([(3, 50, 4), (4, 3)], "must be equal"),
+    ([(9, 50, 4), (9, 3)], r"dim 0 is 9, but symbol 'b' must be in \[1, 8\]"),
+    ([(3, 50, 5), (3, 3)], r"shape is \[3, 50, 5\], expected \[b, s, 4\] \(dim 2 must be 4\)"),
+    ([(3, 50), (3, 3)], "rank is 2"),
+])
+def test_bad_shapes_raise_every_time_and_are_not_remembered(plan, shapes, message):
+    good = plan.prepare([(3, 50, 4), (3, 3)])
+    for _ in range(3):
+        with pytest.raises(InputError, match=message):
+            plan.prepare(shapes)
+    assert list(plan._calls) == [((3, 50, 4), (3, 3))]
+    assert plan.prepare([(3, 50, 4), (3, 3)]) is good
+
+
+def test_shapes_given_as_lists_share_the_tuples_entry(plan):
+    a = plan.prepare([(3, 50, 4), (3, 3)])
+    assert plan.prepare([[3, 50, 4], [3, 3]]) is a
+    assert plan.prepare(([np.int64(3), 50, 4], (3, 3))) is a   # numpy ints equal Python ints
+    assert len(plan._calls) == 1
+
+
+def test_a_full_cache_drops_its_oldest_entry(plan, monkeypatch):
+    monkeypatch.setattr(ShapePlan, "CACHE_SIZE", 3)
+    first = plan.prepare([(1, 1, 4), (1, 3)])
+    for s in (2, 3):
+        plan.prepare([(1, s, 4), (1, 3)])
+    assert plan.prepare([(1, 1, 4), (1, 3)]) is first   # a hit: no reordering, no eviction
+    plan.prepare([(1, 4, 4), (1, 3)])
+    assert [key[0][1] for key in plan._calls] == [2, 3, 4]
+    again = plan.prepare([(1, 1, 4), (1, 3)])
+    assert again is not first and again == first          # computed again, the same
 
 
 def test_pointer_words_index_each_slot():
@@ -486,6 +552,85 @@ def test_bad_sizes_fail_before_anything_is_enqueued(fake, pkg, x, message):
     with pytest.raises(InputError, match=message):
         sess.run(x)
     assert fake.launches == [] and sess._staging == {} and sess.instantiations == {} and sess.last_graph is None
+
+
+def expected_words(sess, x_ptr, n, out_ptr=None):
+    bound = next(b for b in BUCKETS if n <= b)
+    return [x_ptr, n, COLS, COLS, 1, out_ptr or sess._out_ptrs[0], n, COLS, COLS, 1,
+            sess._out_ptrs[1], bound, COLS, COLS, 1, n, 0]
+
+
+def test_setparams_only_when_the_words_change(fake, pkg):
+    """The same buffer at the same size: the table writer keeps the parameters set by the first
+    call and runs with them (the fake launches with the values the driver copied, not the runtime's
+    cells). A new pointer or a new size inside the same graph sets them again."""
+    sess = pkg.session()
+    a, b = device_x(64), device_x(64)
+    view = lambda x, n: CaiArray(x.__cuda_array_interface__["data"][0], (n, COLS))  # noqa: E731
+    ptr = lambda x: x.__cuda_array_interface__["data"][0]  # noqa: E731
+    steps = [(a, 20, True), (a, 20, False), (a, 20, False),   # same pointer, same size: once
+             (b, 20, True), (b, 20, False),                   # another pointer
+             (b, 21, True), (b, 21, False),                   # another size, the same graph n=32
+             (a, 21, True), (a, 20, True), (a, 20, False)]
+    for x, n, sets in steps:
+        before = len(fake.set_params)
+        sess.run(view(x, n))
+        assert len(fake.set_params) - before == (1 if sets else 0), (ptr(x), n)
+        assert sess.last_graph == "n=32" and writer_words(fake) == expected_words(sess, ptr(x), n)
+    assert sess.instantiations == {"n=32": 1}
+
+
+def test_graphs_that_alternate_keep_their_own_words(fake, pkg):
+    """The table is the session's, shared by its graphs, but each graph's table writer rewrites it
+    from its own parameters at every launch: after one SetParams each, graphs n=16 and n=32 take
+    turns without another, each launching with its own words."""
+    sess = pkg.session()
+    x = device_x(64)
+    ptr = x.__cuda_array_interface__["data"][0]
+    for k in range(6):
+        n = (5, 20, 40)[k % 3]
+        before = len(fake.set_params)
+        sess.run(CaiArray(ptr, (n, COLS)))
+        assert len(fake.set_params) - before == (1 if k < 3 else 0)
+        assert sess.last_graph == f"n={next(b for b in BUCKETS if n <= b)}" == launched_graph(fake, sess)
+        assert writer_words(fake) == expected_words(sess, ptr, n)
+
+
+def test_out_arrays_and_numpy_inputs_set_the_words_they_change(fake, pkg):
+    sess = pkg.session()
+    x = device_x(12)
+    ptr = x.__cuda_array_interface__["data"][0]
+    target = CaiArray(driver.mem_alloc(64 * COLS * 4), (12, COLS))
+    target_ptr = target.__cuda_array_interface__["data"][0]
+    for out, sets in ((None, True), ({"out": target}, True), ({"out": target}, False), (None, True)):
+        before = len(fake.set_params)
+        sess.run(x, out=out)
+        assert len(fake.set_params) - before == (1 if sets else 0)
+        assert writer_words(fake) == expected_words(sess, ptr, 12, out and target_ptr)
+    host = np.ones((12, COLS), np.float32)
+    for sets in (True, False):   # the staging buffer: the same pointer every call
+        before = len(fake.set_params)
+        sess.run(host)
+        assert len(fake.set_params) - before == (1 if sets else 0)
+        assert writer_words(fake) == expected_words(sess, sess._staging["x"], 12)
+
+
+def test_a_failed_setparams_is_tried_again(fake, pkg, monkeypatch):
+    """Words are remembered only once the driver took them."""
+    from grace.runtime.errors import GraceRuntimeError
+
+    sess = pkg.session()
+    x = device_x(20)
+    real = fake.cuGraphExecKernelNodeSetParams
+    monkeypatch.setattr(fake, "cuGraphExecKernelNodeSetParams",
+                        lambda e, node, p: (fake._real.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(GraceRuntimeError, match="cuGraphExecKernelNodeSetParams"):
+        sess.run(x)
+    monkeypatch.setattr(fake, "cuGraphExecKernelNodeSetParams", real)
+    before = len(fake.set_params)
+    sess.run(x)
+    assert len(fake.set_params) == before + 1
+    assert writer_words(fake) == expected_words(sess, x.__cuda_array_interface__["data"][0], 20)
 
 
 def test_run_host_overhead_is_small(fake, pkg):

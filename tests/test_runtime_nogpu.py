@@ -103,6 +103,23 @@ def test_import_does_not_pull_torch_triton_or_the_driver():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_runtime_imports_nothing_from_the_tools_or_the_compiler():
+    """Read from the sources, lazy imports inside functions included: grace.runtime depends on
+    grace.formats, numpy, msgpack and cuda-python only (the race proof it runs at load lives in
+    grace.formats.races)."""
+    import ast
+    from pathlib import Path
+
+    bad = []
+    for path in sorted(Path(rt.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            bad += [f"{path.name}: {n}" for n in names
+                    if n.split(".")[0] in ("torch", "triton") or n.startswith(("grace.tools", "grace.aot"))]
+    assert not bad, bad
+
+
 def _has_gpu() -> bool:
     try:
         driver.Device(0).release()
@@ -149,6 +166,8 @@ def test_typestr_and_dlpack_codes():
     assert dtypes.from_dlpack(2, 32) == "float32"
     assert dtypes.from_dlpack(2, 32, lanes=4) is None
     assert dtypes.from_torch("torch.bfloat16") == "bfloat16"
+    assert dtypes.from_torch("torch.bfloat16") == "bfloat16"   # remembered
+    assert dtypes.from_torch("torch.float16") == "float16"
 
 
 # ---------------------------------------------------------------------------- validation
@@ -178,6 +197,44 @@ def test_valid_record_passes():
 def test_invalid_records_name_the_input(bad, message):
     with pytest.raises(InputError, match=message):
         check(bad)
+
+
+# every record the checks see: (record, the error's message or None when it passes)
+RECORDS = [
+    (rec(), None),
+    (rec(strides=(COLS, 1)), None),                         # exactly the C-contiguous strides
+    (rec(shape=(1, COLS), strides=(999, 1)), None),         # a size-1 dim: any stride
+    (rec(shape=(ROWS, 1), strides=(1, 7)), None),
+    (rec(shape=(0, COLS), ptr=0x10004), None),              # empty: any address
+    (rec(shape=(7, 3, 2)), None),
+    (rec(device="cpu", ptr=3, strides=(1, ROWS)), None),    # host copies: layout does not matter
+    (rec(dtype="float16"), "input 'x': dtype is float16, expected float32"),
+    (rec(dtype="float16", device="cpu"), "input 'x': dtype is float16, expected float32"),
+    (rec(strides=(1, ROWS)), "input 'x': strides [1, 4] are not C-contiguous (expected [32, 1]); "
+                             "pass a contiguous array, e.g. x.contiguous()"),
+    (rec(strides=(COLS, 2)), "input 'x': strides [32, 2] are not C-contiguous (expected [32, 1]); "
+                             "pass a contiguous array, e.g. x.contiguous()"),
+    (rec(ptr=0x10004), "input 'x': data pointer 0x10004 is not 16-byte aligned (a view with an offset?); "
+                       "pass a fresh contiguous copy, e.g. x.clone()"),
+    (rec(device=1), "input 'x': is on cuda:1, but the package is loaded on cuda:0"),
+    (rec(device=None), "input 'x': data pointer 0x10000 is not CUDA device memory"),
+    (rec(device=1, dtype="int64", strides=(1, ROWS)), "input 'x': dtype is int64, expected float32"),
+]
+
+
+@pytest.mark.parametrize("record, message", RECORDS)
+def test_array_check_is_check_array(record, message):
+    """run()'s shortcut (validate.ArrayCheck) passes and refuses exactly what check_array does,
+    with the same message, twice (the second time with the shape's strides remembered)."""
+    fast = validate.ArrayCheck("input 'x'", "float32", 0)
+    for _ in range(2):
+        for checker in (check, fast.check):
+            if message is None:
+                checker(record)
+            else:
+                with pytest.raises(InputError) as e:
+                    checker(record)
+                assert str(e.value) == message
 
 
 def test_size_one_dims_may_have_any_stride():
@@ -275,6 +332,18 @@ def test_device_array_goes_stale_when_its_session_runs_again():
         a.shape
 
 
+def test_a_session_array_is_what_the_constructor_makes():
+    """run() makes its outputs with DeviceArray.of_session (no conversions): the same array."""
+    owner = Owner()
+    owner._generation = 7
+    fast = DeviceArray.of_session(owner, 0x2000, (2, 3), "float32", 1, "out0")
+    slow = DeviceArray(0x2000, (2, 3), "float32", 1, owner, "out0")
+    assert all(getattr(fast, k) == getattr(slow, k) for k in DeviceArray.__slots__ if k != "__weakref__")
+    owner._generation += 1
+    with pytest.raises(StaleOutputError):
+        fast.shape
+
+
 def test_device_array_protocols():
     a = DeviceArray(0x2000, (2, 3), "bfloat16", 1)
     cai = a.__cuda_array_interface__
@@ -369,7 +438,9 @@ class FakeDriver:
         self.graphs = 0           # cuGraphCreate calls
         self.instantiated = []    # graph handle per cuGraphInstantiate
         self.set_params = []      # (node index, kernelParams address) per SetParams
-        self.launches = []        # writer parameter values at each launch
+        self.launches = []        # the writer's parameter values each launch used
+        self.node_values = {}     # node index -> parameter values copied when it was added (writers)
+        self.exec_values = {}     # exec handle -> {node index: the values that exec launches with}
         self.launched = []        # (exec handle, writer node index) per launch
         self.copies_htod = 0
         self.edges = []           # (from node, to node, type, from_port) per added dependency
@@ -495,9 +566,12 @@ class FakeDriver:
 
     def cuGraphAddKernelNode(self, g, deps, n, p):
         assert n == len(deps)
-        self.nodes.append((self.functions[int(p.func)], (p.gridDimX, p.gridDimY, p.gridDimZ),
+        name = self.functions[int(p.func)]
+        self.nodes.append((name, (p.gridDimX, p.gridDimY, p.gridDimZ),
                            (p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes, p.kernelParams,
                            [int(d) - 1 for d in deps], int(g)))
+        if name in self.n_params:   # the driver copies the values now (and again at each SetParams)
+            self.node_values[len(self.nodes) - 1] = read_params(p.kernelParams, self.n_params[name])
         return (self.ok, self._real.CUgraphNode(len(self.nodes)))
 
     def cuGraphAddDependencies(self, g, from_, to, edges, n):
@@ -508,19 +582,24 @@ class FakeDriver:
 
     def cuGraphInstantiate(self, g, flags):
         self.instantiated.append(int(g))
+        self.exec_values[int(g) + 0x1000] = {i: list(v) for i, v in self.node_values.items()
+                                             if self.nodes[i][6] == int(g)}
         return (self.ok, self._real.CUgraphExec(int(g) + 0x1000))
 
     def cuGraphUpload(self, e, s): return (self.ok,)
 
     def cuGraphExecKernelNodeSetParams(self, e, node, p):
-        assert self.nodes[int(node) - 1][6] + 0x1000 == int(e), "SetParams on a node of another graph"
-        self.set_params.append((int(node) - 1, p.kernelParams))
+        i = int(node) - 1
+        assert self.nodes[i][6] + 0x1000 == int(e), "SetParams on a node of another graph"
+        self.set_params.append((i, p.kernelParams))
+        self.exec_values[int(e)][i] = read_params(p.kernelParams, self.n_params[self.nodes[i][0]])
         return (self.ok,)
 
     def cuGraphLaunch(self, e, s):
-        node, address = self.set_params[-1]
-        assert self.nodes[node][6] + 0x1000 == int(e), "launched a graph whose writer was not just set"
-        self.launches.append(read_params(address, self.n_params[self.nodes[node][0]]))
+        """Records the values the exec's table writer runs with: the node's as added, or as set
+        last on this exec (the driver's copies; the runtime's cells may have changed since)."""
+        ((node, values),) = self.exec_values[int(e)].items()
+        self.launches.append(list(values))
         self.launched.append((int(e), node))
         return (self.ok,)
 
@@ -764,6 +843,38 @@ def test_bad_arguments_fail_before_any_launch(fake, pkg, call, message):
     with pytest.raises(InputError, match=message):
         call(sess)
     assert fake.launches == [] and sess._staging == {}
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda a: CaiArray(a, (ROWS, COLS), typestr="<f2"), r"^input 'x': dtype is float16, expected float32$"),
+    (lambda a: CaiArray(a, (ROWS, COLS), strides=(4, 4 * ROWS)),
+     r"^input 'x': strides \[1, 4\] are not C-contiguous \(expected \[32, 1\]\)"),
+    (lambda a: CaiArray(a + 4, (ROWS, COLS)), r"^input 'x': data pointer 0x[0-9a-f]+ is not 16-byte aligned"),
+    (lambda a: CaiArray(0x1230, (ROWS, COLS)), r"^input 'x': data pointer 0x1230 is not CUDA device memory$"),
+    (lambda a: CaiArray(a, (ROWS, COLS + 1)), r"^input 'x': shape is \[4, 33\], expected \[4, 32\]"),
+])
+def test_a_bad_device_input_after_good_ones_fails_as_the_first_call_would(fake, pkg, make, message):
+    """The shortcuts warmed by good calls (remembered strides, the shape plan, the writer's words)
+    change nothing for a bad one: the same error, nothing launched."""
+    a = driver.mem_alloc(2 * W_BYTES)
+    for warm in (False, True):
+        sess = pkg.session()
+        if warm:
+            for _ in range(2):
+                sess.run(CaiArray(a, (ROWS, COLS)))
+        launched = len(fake.launches)
+        with pytest.raises(InputError, match=message):
+            sess.run(make(a))
+        assert len(fake.launches) == launched
+
+
+def test_each_run_returns_new_arrays_and_stales_the_older_ones(fake, pkg):
+    sess = pkg.session()
+    x = CaiArray(driver.mem_alloc(W_BYTES), (ROWS, COLS))
+    first, second = sess.run(x)["out"], sess.run(x)["out"]
+    assert first is not second and second.shape == (ROWS, COLS) and second.ptr == sess._out_ptrs[0]
+    with pytest.raises(StaleOutputError):
+        first.ptr
 
 
 def test_an_output_cannot_feed_its_own_session(fake, pkg):

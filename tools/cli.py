@@ -535,7 +535,7 @@ def cmd_verify(args) -> int:
     sections = getattr(pkg, "section_info", []) or []
     version = pkg.format_version
     version = ".".join(map(str, version)) if isinstance(version, (list, tuple)) else str(version)
-    from grace.tools.races import check_pre_wait, check_races, unchecked_reason
+    from grace.formats.races import check_pre_wait, check_races, unchecked_reason
 
     from grace.tools.source_check import SourceRefused, check_kernel_source
 

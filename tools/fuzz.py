@@ -934,7 +934,7 @@ def _where(e: BaseException) -> str:
 #   sizes   a region, a graph's arena, the table's bytes: dangerous only when below what the base
 #           package's nodes touch there (more memory is harmless)
 #   edges   deps and programmatic deps: dangerous only when the base package's own accesses (its
-#           kernels' `writes`, its argument ranges) are no longer ordered, i.e. tools/races.py finds
+#           kernels' `writes`, its argument ranges) are no longer ordered, i.e. formats/races.py finds
 #           a race in the base package with the mutant's edges, or a programmatic edge now targets a
 #           kernel that does not wait (an added edge, or a redundant one removed, is harmless)
 # A mutant is dangerous when one of its changes is. Anything not listed is an unknown key, which
@@ -1147,9 +1147,9 @@ _JUDGED = {"default0": _default0, "lowered": _lowered, "state-name": _state_name
 
 
 def _edges_lose_order(base: "Base", m: dict) -> bool:
-    """The base package with the mutant's deps and programmatic deps: does tools/races.py find a
+    """The base package with the mutant's deps and programmatic deps: does formats/races.py find a
     race, or a programmatic edge into a kernel that does not wait first?"""
-    from grace.tools import races
+    from grace.formats import races
 
     hybrid = copy.deepcopy(base.manifest)
     try:
