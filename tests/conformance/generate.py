@@ -37,6 +37,7 @@ POINTER_BASE = 4096   # the data pointer of table slot i in these vectors: 4096 
 DROP_TOP = ("producer", "options", "arena_buffers")
 DROP_KERNEL = ("source", "source_sha256", "compiled")
 DROP_GRAPH = ("stats", "compiled")
+DROP_NODE = ("label",)   # a name for people (SPEC §3): it follows the kernels' ops, not the shapes
 
 
 # ---- the models -----------------------------------------------------------------------------------
@@ -167,6 +168,8 @@ def strip(manifest: dict) -> dict:
     m = {k: v for k, v in manifest.items() if k not in DROP_TOP}
     m["kernels"] = [{k: v for k, v in kern.items() if k not in DROP_KERNEL} for kern in m["kernels"]]
     m["graphs"] = [{k: v for k, v in g.items() if k not in DROP_GRAPH} for g in m["graphs"]]
+    for g in m["graphs"]:
+        g["nodes"] = [{k: v for k, v in node.items() if k not in DROP_NODE} for node in g["nodes"]]
     return m
 
 
