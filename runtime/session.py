@@ -59,7 +59,7 @@ from .driver import call
 from .errors import GraceRuntimeError, InputError, InvalidPackageError
 from .generate import COUNT, require
 from .graph import ExecutableGraph, GenerationGraph, table_word_count
-from .validate import ArrayCheck, check_array, check_shape, check_writable
+from .validate import ArrayCheck, check_shape, check_writable
 
 
 class Session:
@@ -330,12 +330,8 @@ class Session:
                 raise InputError(f"missing input(s) {missing}; the package's inputs are {names}")
             args = [given[n] for n in names]
         records, shapes = [], []
-        stream = self._stream_int
         for check, obj in zip(self._input_checks, args):
-            rec = as_record(obj, check.what, stream)
-            if rec.device is None:  # __cuda_array_interface__ does not say which GPU: ask the driver
-                rec.device = driver.pointer_device(rec.ptr)
-            check.check(rec)
+            rec = self._record(obj, check)
             if rec.owner is self:
                 raise InputError(f"{check.what}: is an output of this session, whose buffers this run "
                                  "rewrites; copy it first, or pass it to another session")
@@ -356,17 +352,18 @@ class Session:
             if o in self._data_outputs:
                 raise InputError(f"{what}: its dim 0 is data-dependent (known only after the run), so it "
                                  "cannot be written to an out= array; use the returned DeviceArray")
-            rec = self._record(obj, what, self._outputs[o].dtype)
+            rec = self._record(obj, ArrayCheck(what, self._outputs[o].dtype, self._ordinal))
             check_shape(what, rec.shape, out_shapes[o])
             check_writable(what, rec)
             records[name] = rec
         return records
 
-    def _record(self, obj, what, dtype):
-        rec = as_record(obj, what, self._stream_int)
+    def _record(self, obj, check: ArrayCheck):
+        """`obj` as an ArrayRecord, checked against its slot (InputError)."""
+        rec = as_record(obj, check.what, self._stream_int)
         if rec.device is None:  # __cuda_array_interface__ does not say which GPU: ask the driver
             rec.device = driver.pointer_device(rec.ptr)
-        check_array(what, rec, dtype, self._ordinal)
+        check.check(rec)
         return rec
 
     def _stage(self, i: int, spec, host: np.ndarray) -> int:
