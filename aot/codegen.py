@@ -546,8 +546,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
             w.emit(f"zero_b = tl.zeros([{bn}, {bk}], tl.int32)")
             ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn[:, None]"], mask=mask,
                       zero="zero_b")
-        value = ExprEmitter(w).value(operands[op], ctx)
-        var = f"{op}{'_early' if kk == 'early' else ''}"
+        value = ExprEmitter(w, acc="stat" if op == "a" else None).value(operands[op], ctx)
+        var = op if not kk.startswith("early") else f"{op}_{kk}".rstrip("0")
         w.emit(f"{var} = {_masked(value, mask)}.to(tl.float32)")
         return var
 
@@ -557,26 +557,32 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         b = ready.get("b") or operand("b", kk)
         w.emit(f"acc += {b} * {a}")
 
-    ready = {}
+    steps = cdiv(k, bk)
+    early_steps = min(steps, GEMV_PREFETCH_STEPS) if early else 0
+    ready = []
     if early:
         with w.before_wait():
             ids()
-            w.emit(f"rk = tl.arange(0, {bk})")
-            ready = {op: operand(op, "early") for op in early}
+            for i in range(early_steps):
+                w.emit(f"rk = {f'{i * bk} + ' if i else ''}tl.arange(0, {bk})")
+                ready.append({op: operand(op, f"early{i}") for op in early})
     else:
         ids()
     _exit_beyond(w, ext[1], "0")
     _exit_beyond(w, ext[0], "bz")
+    if spec.stat is not None:
+        _row_stat(w, spec)
     w.emit(f"acc = tl.zeros([{bn}, {bk}], tl.float32)")
-    if early:
-        k_step("0", ready)
-    w.emit(f"for kk in range({bk if early else 0}, {k}, {bk}):")
-    w.indent += 1
-    if skip_k:
-        w.emit(f"if kk < {w.extent(true_size(k_ext, 0))}:")
+    for i, got in enumerate(ready):
+        k_step(str(i * bk), got)
+    if early_steps < steps:
+        w.emit(f"for kk in range({early_steps * bk}, {k}, {bk}):")
         w.indent += 1
-    k_step("kk", {})
-    w.indent -= 2 if skip_k else 1
+        if skip_k:
+            w.emit(f"if kk < {w.extent(true_size(k_ext, 0))}:")
+            w.indent += 1
+        k_step("kk", {})
+        w.indent -= 2 if skip_k else 1
     w.emit("acc_n = tl.sum(acc, axis=1)")
     mask = _mask(w, "mask", None if n % bn == 0 else f"(rn < {n})",
                  _dim_valid(w, ext[2], "rn"), _dim_valid(w, ext[0], "bz"))
@@ -585,7 +591,37 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
               zero="zero")
     value = ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bn}]")
-    return (cdiv(n, bn), batch, 1), 4, 1
+    return (cdiv(n, bn), batch, 1), GEMV_WARPS, GEMV_STAGES
+
+
+def _row_stat(w: Writer, spec):
+    """The GEMV's row statistic (fuse_stats.py) into `stat`, a scalar its row operand reads as
+    `Acc`: the one-row reduction its own kernel would have stored, reduced by this program."""
+    shape, rdims = spec.stat_shape, spec.stat_rdims
+    cols = numel([shape[d] for d in rdims])
+    bs = min(next_pow2(max(cols, 2)), 1024)
+    init = REDUCE_INIT[spec.stat_op]
+    w.emit(f"s_zero = tl.zeros([{bs}], tl.int32)")
+    w.emit(f"s_acc = tl.full([{bs}], {init}, tl.float32)")
+    w.emit(f"for s0 in range(0, {cols}, {bs}):")
+    w.indent += 1
+    w.emit(f"s_cols = s0 + tl.arange(0, {bs})")
+    mask = "None"
+    if cols % bs:
+        w.emit(f"s_mask = s_cols < {cols}")
+        mask = "s_mask"
+    red_ctx = Ctx(w, [shape[d] for d in rdims], linear="s_cols")
+    dims = [red_ctx.dim(rdims.index(d)) if d in rdims else "s_zero" for d in range(len(shape))]
+    value = ExprEmitter(w).value(spec.stat, Ctx(w, shape, dims, mask=mask, zero="s_zero"))
+    value = f"{value}.to(tl.float32)"
+    if mask != "None":
+        value = f"tl.where(s_mask, {value}, {init})"
+    combine = {"sum": "s_acc + {v}", "max": "tl.maximum(s_acc, {v})",
+               "min": "tl.minimum(s_acc, {v})"}[spec.stat_op]
+    w.emit("s_acc = " + combine.format(v=value))
+    w.indent -= 1
+    reducer = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[spec.stat_op]
+    w.emit(f"stat = {reducer}(s_acc, axis=0)")
 
 
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
@@ -632,8 +668,18 @@ class GemmPlan:
     stages: int = 0
 
 
-GEMV_TILE = 2048   # weight elements per program per K step: 2 rows x 1024 was within 5% of the
-                   # best tile on all twelve Llama-1B/8B decode shapes (docs/gemv-sweep-*.json)
+# The GEMV's tile, measured inside the Llama-1B decode graph on the H200 (docs/performance.md,
+# 2026-12-02, eighth session: one package per setting, ms per token of run()). In a graph the row
+# operand is an expression (an RMSNorm's x * rsqrt(mean) * w) that every program recomputes for
+# its K step, so rows per program amortise it: 4 x 1024 beat 2 x 1024 (the isolated-GEMV sweep's
+# choice, docs/gemv-sweep-2026-12-01.json, where the row was a plain vector) by 6-7%, and 8 x 512
+# by 2%. Loading more K steps before gdc_wait() (2 or 4) lost 6%, 8 warps lost 18%, 2 stages
+# changed nothing (docs/bench-2026-12-02-decode-1b-gemv-variants.json).
+GEMV_PREFETCH_STEPS = 1   # K steps of its weights a GEMV loads before gdc_wait() (PDL)
+GEMV_BK = 1024     # K step: the columns of a weight row a program loads per step
+GEMV_WARPS = 4
+GEMV_STAGES = 1
+GEMV_TILE = 4096   # weight elements per program per K step (rows = GEMV_TILE // K step)
 
 
 def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
@@ -652,7 +698,7 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
                         min(measured.bk, max(16, next_pow2(k))), 1,
                         warps=measured.warps, stages=measured.stages)
     if m == 1:
-        bk = min(1024, max(16, next_pow2(k)))
+        bk = min(GEMV_BK, max(16, next_pow2(k)))
         bn = min(max(2, GEMV_TILE // bk), max(2, next_pow2(n)))
         if cdiv(n, bn) * batch >= sm_count // 2 or k <= 8192:
             return GemmPlan(1, bn, bk, 1, gemv=True)

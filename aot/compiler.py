@@ -29,7 +29,7 @@ import torch
 
 from grace.formats import archs as arch_rules
 
-from . import (build, codegen, dump, export, extents, fuse, gemm_tiles, generation, lower, manifest, memplan,
+from . import (build, codegen, dump, export, extents, fuse, fuse_stats, gemm_tiles, generation, lower, manifest, memplan,
                verify_ir, versions)
 from .check import relocate
 
@@ -67,6 +67,10 @@ class CompileOptions:
     # default: the table was measured on a mirror of the GEMM template, and with it ViT-S ran 14%
     # and ResNet-50 31% slower on the H200 (docs/performance.md, sixth session).
     gemm_tiles: bool = False
+    # one-row reductions (an RMSNorm's mean of squares) computed inside the GEMV that reads them
+    # (aot/fuse_stats.py). Off by default: in the Llama-1B decode graph on the H200 it saved 33
+    # kernels and cost 3.7-5% per token (docs/performance.md, eighth session).
+    fold_row_stats: bool = False
 
     def __post_init__(self):
         if not self.archs:
@@ -118,7 +122,8 @@ class CompileOptions:
         archs, fp32_matmul, pdl (whether any target has it), and `targets`, what each group of
         archs was compiled for ([{archs, pdl, sm_count}], format 3.5)."""
         d = asdict(self)
-        for key in ("progress", "jobs", "buckets", "generate", "sm_count", "gemm_tiles"):
+        for key in ("progress", "jobs", "buckets", "generate", "sm_count", "gemm_tiles",
+                    "fold_row_stats"):
             d.pop(key)
         d["archs"] = list(self.archs)
         d["targets"] = [t.recorded() for t in self.targets()]
@@ -156,7 +161,8 @@ class CompileReport:
 
 def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90",),  # noqa: A001
             name=None, progress=False, fp32_matmul=None, jobs=None, dynamic_shapes=None,
-            buckets=None, generate=None, pdl=None, sm_count=None, gemm_tiles=False) -> Path:
+            buckets=None, generate=None, pdl=None, sm_count=None, gemm_tiles=False,
+            fold_row_stats=False) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
     `example_inputs` (positional) and `kwargs` (keyword example inputs) go to torch.export as its
@@ -182,6 +188,9 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     other than formats.archs.SM_COUNTS's (the H100 PCIe has 114, the table's H100/H200 132).
     `gemm_tiles=True`: GEMMs of >= 128 rows take their tiles from the arch's measured table
     (aot/gemm_tiles.py); off by default, as it measured slower on whole models so far.
+    `fold_row_stats=True`: a one-row reduction that only a GEMV's row reads (an RMSNorm's mean
+    of squares in a decode step) is reduced inside that GEMV (aot/fuse_stats.py): fewer kernels,
+    but slower per token on the H200 so far, so off by default.
 
     A library call prints nothing: `progress=True` reports each stage and a build progress bar on
     stderr (what `grace compile` shows). Errors are exceptions (LoweringError names the op and
@@ -191,7 +200,7 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
                              tuple((k, tuple(int(x) for x in v)) for k, v in (buckets or {}).items()),
                              tuple((generate or {}).items()), pdl if pdl is None else bool(pdl),
                              tuple((str(k), v) for k, v in (sm_count or {}).items()),
-                             bool(gemm_tiles))
+                             bool(gemm_tiles), bool(fold_row_stats))
     dim_names = None
     if isinstance(program, torch.nn.Module):
         if example_inputs is None and not kwargs:
@@ -347,8 +356,12 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
 
 
 def _fuse(b: BucketState, st: CompileState) -> BucketState:
-    """fuse: epilogue fusion, then the kernels with nothing to do dropped."""
-    b.kernels = memplan.drop_empty(fuse.fuse_epilogues(b.program.kernels))
+    """fuse: epilogue fusion (and, with fold_row_stats, one-row statistics into the GEMVs that
+    read them), then the kernels with nothing to do dropped."""
+    kernels = fuse.fuse_epilogues(b.program.kernels)
+    if st.options.fold_row_stats:
+        kernels = fuse_stats.fold_row_stats(kernels)
+    b.kernels = memplan.drop_empty(kernels)
     return b
 
 

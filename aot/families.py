@@ -170,9 +170,19 @@ class Matmul(Spec):
     fp32_precision: str
     plan: GemmPlan
     k_ext: tuple | None
+    # A GEMV's row statistic (fuse_stats.py): the single value of a one-row reduction that its
+    # row operand `a` reads as `Acc` (an RMSNorm's mean of squares), reduced by every program
+    # before its K loop: `stat_op` of `stat` over the dimensions `stat_rdims` of `stat_shape`.
+    stat: Expr | None = None
+    stat_shape: tuple[int, ...] = ()
+    stat_rdims: tuple[int, ...] = ()
+    stat_op: str = "sum"
 
     def index_spaces(self, out_shape):
-        return {"a": (self.batch, self.m, self.k), "b": (self.batch, self.k, self.n)}
+        spaces = {"a": (self.batch, self.m, self.k), "b": (self.batch, self.k, self.n)}
+        if self.stat is not None:
+            spaces["stat"] = tuple(self.stat_shape)
+        return spaces
 
     def shape_problems(self, out_shape):
         want = (self.plan.split * self.batch, self.m, self.n)

@@ -52,12 +52,13 @@ def _kernels(path, graph=None):
     return [m["kernels"][node["kernel"]]["family"] for g in graphs for node in g["nodes"]]
 
 
-def _check(model, inputs: dict, tmp_path, dynamic_shapes=None, buckets=None, runs=None, tol=1e-6):
+def _check(model, inputs: dict, tmp_path, dynamic_shapes=None, buckets=None, runs=None, tol=1e-6,
+           **options):
     model = model.eval()
     names = list(inputs)
     path = grace_compile(model, tuple(torch.as_tensor(v) for v in inputs.values()),
                          output=tmp_path / "m.grace", progress=False, fp32_matmul="ieee",
-                         dynamic_shapes=dynamic_shapes, buckets=buckets)
+                         dynamic_shapes=dynamic_shapes, buckets=buckets, **options)
     runs = runs or [inputs]
     got = run_cases(path, {f"r{i}": {n: np.asarray(v) for n, v in r.items()}
                            for i, r in enumerate(runs)}, tmp_path)
@@ -123,3 +124,22 @@ def test_dynamic_k(tmp_path):
     _check(Batched(), {"a": torch.randn(2, 1, 20), "b": torch.randn(2, 20, 8)}, tmp_path,
            dynamic_shapes={"a": {2: s}, "b": {1: s}}, buckets={"s": [16, 64]},
            runs=[{"a": torch.randn(2, 1, n), "b": torch.randn(2, n, 8)} for n in (10, 16, 40)])
+
+
+def test_weights_of_several_k_steps_load_before_the_wait(tmp_path, monkeypatch):
+    """GEMV_PREFETCH_STEPS > 1 (measured slower in the decode graph, kept as a knob): each early
+    step's weight tile is loaded before gdc_wait(), the ragged last step after it, and the
+    product is unchanged."""
+    from grace.aot import codegen
+    from grace.formats.races import check_pre_wait
+
+    monkeypatch.setattr(codegen, "GEMV_PREFETCH_STEPS", 2)
+    torch.manual_seed(5)
+    path = _check(Proj(3000, 24, bias=False), {"x": torch.randn(1, 3000)}, tmp_path, tol=1e-5)
+    pkg = read_package(path)
+    assert check_pre_wait(pkg) == []
+    src = next(bytes(pkg.section(k["source"])).decode() for k in pkg.manifest["kernels"]
+               if k["family"] == "matmul")
+    before, after = src.split("gdc_wait()")
+    assert "b_early =" in before and "b_early1 =" in before and "b_early2" not in src
+    assert "for kk in range(2048, 3000, 1024)" in after

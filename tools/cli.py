@@ -463,6 +463,8 @@ def cmd_compile(args) -> int:
         extra["pdl"] = args.pdl
     if args.gemm_tiles:
         extra["gemm_tiles"] = True
+    if args.fold_row_stats:
+        extra["fold_row_stats"] = True
     if sm_count:
         extra["sm_count"] = sm_count
     try:
@@ -938,6 +940,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tile GEMMs of 128 rows or more from the arch's measured table (aot/gemm_tiles/, "
                         "made by python -m grace.tools.gemm_sweep on that GPU); off by default: on the H200 "
                         "it made ViT-S and ResNet-50 slower so far (docs/performance.md)")
+    c.add_argument("--fold-row-stats", action="store_true",
+                   help="reduce a one-row statistic that only a GEMV's row reads (an RMSNorm's mean of squares "
+                        "in a decode step) inside that GEMV instead of a kernel of its own (aot/fuse_stats.py); "
+                        "off by default: fewer kernels, but 3.7-5%% slower per token on the H200 "
+                        "(docs/performance.md)")
     c.add_argument("--sm-count", action="append", metavar="SM=N[,SM=N...]",
                    help="the multiprocessor count to plan an arch's tiles (split-K, attention splits) for, "
                         "for a part other than the default one: sm_80 108 (A100), sm_86 84, sm_89 128 (RTX "
