@@ -686,16 +686,17 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
               measured: Tile | None = None) -> GemmPlan:
     """Tiles for a batch-1-sized GEMM on a part with `sm_count` multiprocessors (a grid smaller
     than that leaves some idle). `measured`: the GPU's measured tile for this shape (M >= 128,
-    gemm_tiles.measured_tile), taken as it is, without split-K (it was timed whole). One row of
+    gemm_tiles.measured_tile), taken as it is, with its split-K factor (it was timed so). One row of
     A: a GEMV, when its programs fill the chip or K is short enough that a program's serial walk
     is. Otherwise the largest output tile that still gives every multiprocessor a program; a K
     step as deep as ~32 KiB of operands per pipeline stage allows (few, deep iterations hide load
     latency); and split-K when even the smallest tiles leave most of the chip idle and K is
     deep."""
     if measured is not None:
+        bk = min(measured.bk, max(16, next_pow2(k)))
+        split = measured.split if measured.split > 1 and k // measured.split >= bk else 1
         return GemmPlan(min(measured.bm, max(16, next_pow2(m))),
-                        min(measured.bn, max(32, next_pow2(n))),
-                        min(measured.bk, max(16, next_pow2(k))), 1,
+                        min(measured.bn, max(32, next_pow2(n))), bk, split,
                         warps=measured.warps, stages=measured.stages)
     if m == 1:
         bk = min(GEMV_BK, max(16, next_pow2(k)))

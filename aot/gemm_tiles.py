@@ -17,10 +17,13 @@ H200 (ViT-S 0.602 -> 0.686 ms, ResNet-50 0.475 -> 0.622, EfficientNet-B0 0.356 -
 docs/performance.md, sixth session). The sweep times a mirror of the template, not the generated
 kernels (whose A loads go through the expression emitter, and convolutions' through an im2col
 gather), so its winners do not carry over; the next table should be measured on generated
-kernels.
+kernels: tools/tile_sweep.py does that (every GEMM of a whole model forced to each candidate,
+`forced`, timed per kernel on the GPU) and writes its winners, split-K factor included, in this
+format.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -38,6 +41,27 @@ class Tile:
     bk: int
     warps: int
     stages: int
+    split: int = 1   # split-K factor (partial sums reduced by a second kernel)
+
+
+# A tile every GEMM of >= MIN_ROWS rows takes while `forced` is active (tools/tile_sweep.py times
+# each candidate tile on the kernels a whole model generates).
+_forced: Tile | None = None
+
+
+@contextlib.contextmanager
+def forced(tile: Tile | None):
+    """Within the block, `measured_tile` answers `tile` for every GEMM it would look up (M >=
+    MIN_ROWS, a swept operand kind), table or not; None: the heuristic's own plan (no table)."""
+    global _forced
+    before, _forced = _forced, tile or _HEURISTIC
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+_HEURISTIC = Tile(0, 0, 0, 0, 0)   # `forced(None)`: no measured tile at all
 
 
 def operand_kind(dot_dtype: str, fp32_precision: str) -> str | None:
@@ -58,7 +82,7 @@ def _table(arch: str) -> dict:
     for e in json.loads(path.read_text())["entries"]:
         point = (math.log2(e["M"]), math.log2(e["N"]), math.log2(e["K"]))
         out.setdefault(e["kind"], []).append(
-            (point, Tile(e["bm"], e["bn"], e["bk"], e["warps"], e["stages"])))
+            (point, Tile(e["bm"], e["bn"], e["bk"], e["warps"], e["stages"], e.get("split", 1))))
     return out
 
 
@@ -70,7 +94,11 @@ def table_arch(arch: str) -> str | None:
 def measured_tile(arch: str | None, kind: str | None, m: int, n: int, k: int) -> Tile | None:
     """The table's tile for an [m, k] x [k, n] GEMM, or None (no table, kind or too few rows).
     `arch`: the table to use (lowering's options["tile_table"], the compile target's arch)."""
-    if m < MIN_ROWS or kind is None or not arch:
+    if m < MIN_ROWS or kind is None:
+        return None
+    if _forced is not None:
+        return None if _forced is _HEURISTIC else _forced
+    if not arch:
         return None
     entries = _table(arch).get(kind)
     if not entries:

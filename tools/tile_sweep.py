@@ -1,0 +1,284 @@
+"""GEMM tiles timed on the kernels a whole model generates: the measured table for M >= 128
+(issue 8, item 5), from the model's own GEMMs instead of a mirror of the template.
+
+    python -m grace.tools.tile_sweep --model vit_s --fp32-matmul tf32 --out sweep.json \\
+        --table tiles.json
+    python -m grace.tools.tile_sweep --model vit_s --tiles 64x64x32w4s3,64x64x32w4s3k2 --out sweep.json
+
+Why: the first table (tools/gemm_sweep.py) timed a mirror of the GEMM template on bare operands,
+and lost on whole models (docs/performance.md, sixth session): the generated kernels load A
+through the expression emitter (a LayerNorm's output, a convolution's im2col gather) and sit
+between other kernels. Here each candidate is timed where it will run.
+
+How: the model is compiled once with the heuristic's plans and once per candidate tile, with
+every GEMM of >= 128 rows forced to that tile (`gemm_tiles.forced`), each compile recording which
+kernel computes which GEMM (operand kind, M, N, K: a split-K GEMM's reduction kernel counts with
+it). Each package runs on the GPU and CUPTI (the torch profiler) times its kernels. Packages are
+built without PDL: under PDL a kernel's span includes its wait for the kernel before it, so
+per-kernel times overlap and overcount (a decode token of 1.0 ms summed to 1.6 ms of kernels).
+
+Output: `--out` every timing per GEMM and candidate (merged into the file when it exists, so a
+long sweep can be split over runs with `--tiles`); `--table` the fastest candidate per GEMM in the
+format of aot/gemm_tiles/<arch>.json (with `split`), which `grace compile --gemm-tiles` reads when
+copied there. The table is per GPU: run this on the GPU it is for. Times are per call, summed over
+the model's instances of a GEMM shape (ViT-S runs each of its four shapes 12 times).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+# Candidates for 128..1024 rows: 64- and 128-row tiles with few programs, narrower N tiles, deeper
+# pipelines, and split-K for the deep-K projections whose output is too small to fill the chip.
+DEFAULT_TILES = ("64x64x32w4s3", "64x64x64w4s3", "64x128x32w4s3", "128x64x32w4s3",
+                 "128x128x32w8s3", "64x32x64w4s4", "32x64x64w4s3", "64x64x32w4s3k2",
+                 "64x64x32w4s3k4", "32x32x64w4s3k2")
+ITERS = 20
+_TILE = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?$")
+
+
+def _log(msg: str) -> None:
+    print(f"[tile_sweep] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_tile(text: str):
+    """'64x64x32w4s3' (bm x bn x bk, warps, stages) with an optional 'k2' (split-K) -> Tile."""
+    from grace.aot.gemm_tiles import Tile
+
+    m = _TILE.match(text.strip())
+    if not m:
+        raise ValueError(f"tile {text!r}: expected BMxBNxBKwWARPSsSTAGES[kSPLIT], "
+                         "e.g. 64x64x32w4s3 or 64x64x32w4s3k2")
+    bm, bn, bk, warps, stages = (int(g) for g in m.groups()[:5])
+    split = int(m.group(6) or 1)
+    for name, v in (("bm", bm), ("bn", bn), ("bk", bk), ("warps", warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"tile {text!r}: {name} must be a power of two")
+    if stages < 1 or split < 1:
+        raise ValueError(f"tile {text!r}: stages and split are at least 1")
+    return Tile(bm, bn, bk, warps, stages, split)
+
+
+def tile_name(tile) -> str:
+    if tile is None:
+        return "heuristic"
+    return (f"{tile.bm}x{tile.bn}x{tile.bk}w{tile.warps}s{tile.stages}"
+            + (f"k{tile.split}" if tile.split > 1 else ""))
+
+
+def gemm_key(spec) -> str | None:
+    """'kind M N K' of a Matmul spec with >= MIN_ROWS rows (the GEMMs a table tiles), else None."""
+    from grace.aot import codegen, gemm_tiles
+
+    if spec.m < gemm_tiles.MIN_ROWS:
+        return None
+    dot = codegen._dot_dtype(spec.a, spec.b)
+    kind = gemm_tiles.operand_kind(dot, spec.fp32_precision)
+    return None if kind is None else f"{kind} {spec.m} {spec.n} {spec.k}"
+
+
+@contextmanager
+def recording_gemms(found: dict):
+    """While compiling: found[kernel name] = the GEMM key it computes (a split-K GEMM's reduction
+    kernel gets its GEMM's key), through the codegen stage's calls to codegen.generate."""
+    from grace.aot import codegen
+    from grace.aot.families import Matmul, Reduction
+
+    original = codegen.generate
+    partial_of: dict[int, str] = {}
+
+    def generate(kernel, *args, **kwargs):
+        source = original(kernel, *args, **kwargs)
+        spec = kernel.spec
+        if isinstance(spec, Matmul):
+            key = gemm_key(spec)
+            if key is not None:
+                found[source.name] = key
+                if spec.plan.split > 1:
+                    partial_of[kernel.out.index] = key
+        elif isinstance(spec, Reduction):
+            owners = {partial_of[b.index] for b in kernel.reads() if b.index in partial_of}
+            if len(owners) == 1:
+                found[source.name] = owners.pop()
+        return source
+
+    codegen.generate = generate
+    try:
+        yield found
+    finally:
+        codegen.generate = original
+
+
+def compile_with(model, example, path: Path, tile, fp32_matmul: str) -> dict:
+    """Compile `model` with every GEMM of >= 128 rows on `tile` (None: the heuristic), without
+    PDL; {kernel name: GEMM key}."""
+    import grace.aot
+    from grace.aot import gemm_tiles
+
+    found: dict = {}
+    with recording_gemms(found), gemm_tiles.forced(tile):
+        grace.aot.compile(model, (example,), output=path, progress=False, pdl=False,
+                          fp32_matmul=fp32_matmul)
+    return found
+
+
+def per_gemm_us(kernel_us: dict, kernels: dict) -> dict:
+    """{GEMM key: µs per call} from {kernel name: µs per call} and the compile's kernel map."""
+    out: dict = defaultdict(float)
+    for name, key in kernels.items():
+        out[key] += kernel_us.get(name, 0.0)
+    return dict(out)
+
+
+def time_kernels(path: Path, make_input, iters: int = ITERS) -> dict:
+    """{kernel name: µs per call} of one package on the GPU, by CUPTI."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from grace.runtime import load
+
+    pkg = load(path)
+    sess = pkg.session()
+    x = make_input()
+    for _ in range(5):
+        sess.run(x)
+    sess.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            sess.run(x)
+        sess.sync()
+    per: dict = defaultdict(float)
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            per[e.name] += getattr(e, "device_time_total", None) or e.cuda_time_total
+    sess.close()
+    pkg.close()
+    del torch
+    return {k: v / iters for k, v in per.items()}
+
+
+def best_table(results: dict) -> list[dict]:
+    """The fastest candidate per GEMM: `results` is {GEMM key: {tile name: µs}} (with
+    "heuristic"); entries in the format of aot/gemm_tiles/<arch>.json. A GEMM no candidate beats
+    keeps the heuristic, and gets no entry."""
+    entries = []
+    for key, times in sorted(results.items()):
+        heur = times.get("heuristic")
+        cands = {t: us for t, us in times.items() if t != "heuristic"}
+        if not cands:
+            continue
+        name, us = min(cands.items(), key=lambda kv: kv[1])
+        if heur is not None and heur <= us:
+            continue
+        tile = parse_tile(name)
+        kind, m, n, k = key.split()
+        entries.append({"kind": kind, "M": int(m), "N": int(n), "K": int(k), "bm": tile.bm,
+                        "bn": tile.bn, "bk": tile.bk, "warps": tile.warps, "stages": tile.stages,
+                        "split": tile.split, "us": round(us, 2),
+                        "heuristic_us": None if heur is None else round(heur, 2)})
+    return entries
+
+
+def summary(results: dict) -> list[str]:
+    tiles = sorted({t for times in results.values() for t in times},
+                   key=lambda t: (t != "heuristic", t))
+    lines = [f"{'GEMM (kind M N K)':<24}" + "".join(f"{t:>16}" for t in tiles)]
+    for key, times in sorted(results.items()):
+        best = min(times.values())
+        cells = []
+        for t in tiles:
+            us = times.get(t)
+            cells.append(f"{'-':>16}" if us is None else f"{us:15.1f}{'*' if us == best else ' '}")
+        lines.append(f"{key:<24}" + "".join(cells))
+    totals = {t: sum(times.get(t, 0.0) for times in results.values()) for t in tiles
+              if all(t in times for times in results.values())}
+    lines.append(f"{'all GEMMs, µs/call':<24}" + "".join(
+        f"{totals[t]:16.1f}" if t in totals else f"{'-':>16}" for t in tiles))
+    best_sum = sum(min(times.values()) for times in results.values())
+    lines.append(f"fastest per GEMM combined: {best_sum:.1f} µs/call "
+                 "(* marks each GEMM's fastest; times summed over the model's instances)")
+    return lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--model", default="vit_s",
+                    help="a model of grace.tools.benchmark (vit_s, gpt2_6l, mobilebert, resnet50, "
+                         "..., a _bf16 suffix for bf16); default vit_s")
+    ap.add_argument("--fp32-matmul", default="tf32", choices=("tf32", "tf32x3"),
+                    help="fp32 dots (the table's operand kind); default tf32, as the benchmark")
+    ap.add_argument("--tiles", help="comma-separated candidates BMxBNxBKwWARPSsSTAGES[kSPLIT] "
+                                    f"(default: {','.join(DEFAULT_TILES)})")
+    ap.add_argument("--no-heuristic", action="store_true",
+                    help="skip the heuristic's own compile (already in --out)")
+    ap.add_argument("--iters", type=int, default=ITERS, help="profiled calls per package")
+    ap.add_argument("--out", type=Path, help="every timing as JSON (merged into an existing file)")
+    ap.add_argument("--table", type=Path, help="the fastest candidate per GEMM, as a tile table")
+    ap.add_argument("--workdir", type=Path, help="where the packages go (default: a temp dir)")
+    args = ap.parse_args(argv)
+    try:
+        tiles = [parse_tile(t) for t in (args.tiles.split(",") if args.tiles else DEFAULT_TILES)]
+    except ValueError as e:
+        ap.error(str(e))
+    import torch
+
+    from grace.tools.benchmark import _models
+
+    models = _models()
+    if args.model not in models:
+        ap.error(f"unknown model {args.model!r}; known: {', '.join(sorted(models))}")
+    if not torch.cuda.is_available():
+        ap.error("needs a GPU (the kernels are timed there)")
+    model, make_input = models[args.model]()
+    example = make_input().cpu()
+    model = model.cpu()
+
+    results: dict = {}
+    record = {"model": args.model, "fp32_matmul": args.fp32_matmul,
+              "gpu": torch.cuda.get_device_name(), "results": results}
+    if args.out and args.out.exists():
+        old = json.loads(args.out.read_text())
+        if (old.get("model"), old.get("fp32_matmul")) == (args.model, args.fp32_matmul):
+            results.update(old.get("results", {}))
+    candidates = ([] if args.no_heuristic else [None]) + tiles
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tile_sweep-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for i, tile in enumerate(candidates):
+        name = tile_name(tile)
+        t0 = time.perf_counter()
+        path = work / f"{args.model}-{name}.grace"
+        try:
+            kernels = compile_with(model, example, path, tile, args.fp32_matmul)
+            us = per_gemm_us(time_kernels(path, make_input, args.iters), kernels)
+        except Exception as e:   # a tile that does not build (shared memory) is skipped
+            _log(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            continue
+        finally:
+            path.unlink(missing_ok=True)
+        for key, v in us.items():
+            results.setdefault(key, {})[name] = v
+        _log(f"[{i + 1}/{len(candidates)}] {name}: {sum(us.values()):.1f} µs of GEMMs per call "
+             f"over {len(us)} shapes ({time.perf_counter() - t0:.0f} s)")
+        if args.out:
+            args.out.write_text(json.dumps(record, indent=1))
+    if args.table:
+        args.table.write_text(json.dumps({
+            "gpu": record["gpu"], "date": datetime.date.today().isoformat(),
+            "command": "python -m grace.tools.tile_sweep " + " ".join(sys.argv[1:] if argv is None
+                                                                     else argv),
+            "model": args.model, "entries": best_table(results)}, indent=1))
+    print("\n".join(summary(results)))
+
+
+if __name__ == "__main__":
+    main()
