@@ -551,11 +551,22 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         w.emit(f"{var} = {_masked(value, mask)}.to(tl.float32)")
         return var
 
+    in_loop = spec.stat is not None and spec.stat_scale is not None
+    init = REDUCE_INIT[spec.stat_op] if spec.stat is not None else None
+
     def k_step(kk: str, ready: dict):
         w.emit(f"rk = {kk} + tl.arange(0, {bk})")
         a = ready.get("a") or operand("a", kk)
         b = ready.get("b") or operand("b", kk)
         w.emit(f"acc += {b} * {a}")
+        if in_loop:   # the row statistic from the elements this step walks (fuse_stats.py)
+            dims = ["rk[None, :]" if size != 1 else "zero_a" for size in spec.stat_shape]
+            mask = "None" if even_k else _mask(w, "mask_s", f"(rk[None, :] < {k})")
+            v = ExprEmitter(w).value(spec.stat, Ctx(w, spec.stat_shape, dims, mask=mask,
+                                                    zero="zero_a"))
+            v = f"{v}.to(tl.float32)" if mask == "None" else \
+                f"tl.where({mask}, {v}.to(tl.float32), {init})"
+            w.emit("s_acc = " + STAT_COMBINE[spec.stat_op].format(v=v))
 
     steps = cdiv(k, bk)
     early_steps = min(steps, GEMV_PREFETCH_STEPS) if early else 0
@@ -570,7 +581,9 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         ids()
     _exit_beyond(w, ext[1], "0")
     _exit_beyond(w, ext[0], "bz")
-    if spec.stat is not None:
+    if in_loop:
+        w.emit(f"s_acc = tl.full([1, {bk}], {init}, tl.float32)")
+    elif spec.stat is not None:
         _row_stat(w, spec)
     w.emit(f"acc = tl.zeros([{bn}, {bk}], tl.float32)")
     for i, got in enumerate(ready):
@@ -584,6 +597,10 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         k_step("kk", {})
         w.indent -= 2 if skip_k else 1
     w.emit("acc_n = tl.sum(acc, axis=1)")
+    if in_loop:
+        w.emit(f"stat = {STAT_REDUCER[spec.stat_op]}(s_acc)")
+        scale = ExprEmitter(w, acc="stat").value(spec.stat_scale, Ctx(w, ()))
+        w.emit(f"acc_n = acc_n * {scale}")
     mask = _mask(w, "mask", None if n % bn == 0 else f"(rn < {n})",
                  _dim_valid(w, ext[2], "rn"), _dim_valid(w, ext[0], "bz"))
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
@@ -596,7 +613,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
 
 def _row_stat(w: Writer, spec):
     """The GEMV's row statistic (fuse_stats.py) into `stat`, a scalar its row operand reads as
-    `Acc`: the one-row reduction its own kernel would have stored, reduced by this program."""
+    `Acc`: the one-row reduction its own kernel would have stored, reduced by this program in a
+    pass before its K loop (the form without `stat_scale`)."""
     shape, rdims = spec.stat_shape, spec.stat_rdims
     cols = numel([shape[d] for d in rdims])
     bs = min(next_pow2(max(cols, 2)), 1024)
@@ -616,12 +634,14 @@ def _row_stat(w: Writer, spec):
     value = f"{value}.to(tl.float32)"
     if mask != "None":
         value = f"tl.where(s_mask, {value}, {init})"
-    combine = {"sum": "s_acc + {v}", "max": "tl.maximum(s_acc, {v})",
-               "min": "tl.minimum(s_acc, {v})"}[spec.stat_op]
-    w.emit("s_acc = " + combine.format(v=value))
+    w.emit("s_acc = " + STAT_COMBINE[spec.stat_op].format(v=value))
     w.indent -= 1
-    reducer = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[spec.stat_op]
-    w.emit(f"stat = {reducer}(s_acc, axis=0)")
+    w.emit(f"stat = {STAT_REDUCER[spec.stat_op]}(s_acc, axis=0)")
+
+
+STAT_COMBINE = {"sum": "s_acc + {v}", "max": "tl.maximum(s_acc, {v})",
+                "min": "tl.minimum(s_acc, {v})"}
+STAT_REDUCER = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}
 
 
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop

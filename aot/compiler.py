@@ -68,8 +68,10 @@ class CompileOptions:
     # and ResNet-50 31% slower on the H200 (docs/performance.md, sixth session).
     gemm_tiles: bool = False
     # one-row reductions (an RMSNorm's mean of squares) computed inside the GEMV that reads them
-    # (aot/fuse_stats.py). Off by default: in the Llama-1B decode graph on the H200 it saved 33
-    # kernels and cost 3.7-5% per token (docs/performance.md, eighth session).
+    # (aot/fuse_stats.py). Off by default: in the Llama-1B decode graph on the H200 its first
+    # form (a pass over the row before the K loop) saved 33 kernels and cost 3.7-5% per token
+    # (docs/performance.md, eighth session); the form that accumulates inside the K loop, which
+    # RMSNorms now take, is not measured yet.
     fold_row_stats: bool = False
 
     def __post_init__(self):
@@ -189,8 +191,8 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     `gemm_tiles=True`: GEMMs of >= 128 rows take their tiles from the arch's measured table
     (aot/gemm_tiles.py); off by default, as it measured slower on whole models so far.
     `fold_row_stats=True`: a one-row reduction that only a GEMV's row reads (an RMSNorm's mean
-    of squares in a decode step) is reduced inside that GEMV (aot/fuse_stats.py): fewer kernels,
-    but slower per token on the H200 so far, so off by default.
+    of squares in a decode step) is reduced inside that GEMV (aot/fuse_stats.py): fewer kernels;
+    off by default until it measures faster per token (its first form did not).
 
     A library call prints nothing: `progress=True` reports each stage and a build progress bar on
     stderr (what `grace compile` shows). Errors are exceptions (LoweringError names the op and

@@ -173,15 +173,20 @@ class Matmul(Spec):
     # A GEMV's row statistic (fuse_stats.py): the single value of a one-row reduction that its
     # row operand `a` reads as `Acc` (an RMSNorm's mean of squares), reduced by every program
     # before its K loop: `stat_op` of `stat` over the dimensions `stat_rdims` of `stat_shape`.
+    # With `stat_scale` the statistic is accumulated in the K loop instead, `a` does not read it,
+    # and the dot product is multiplied by `stat_scale` (its `Acc`: the statistic) at the end.
     stat: Expr | None = None
     stat_shape: tuple[int, ...] = ()
     stat_rdims: tuple[int, ...] = ()
     stat_op: str = "sum"
+    stat_scale: Expr | None = None
 
     def index_spaces(self, out_shape):
         spaces = {"a": (self.batch, self.m, self.k), "b": (self.batch, self.k, self.n)}
         if self.stat is not None:
             spaces["stat"] = tuple(self.stat_shape)
+        if self.stat_scale is not None:
+            spaces["stat_scale"] = ()
         return spaces
 
     def shape_problems(self, out_shape):

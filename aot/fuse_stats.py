@@ -8,13 +8,20 @@ Llama layer. Here the reduction moves into the GEMV: every GEMV program reduces 
 before its K loop (the row is in L2; each program reads it once more), and the row operand
 reads that value where it read the reduction's one-element buffer.
 
-Measured (H200, Llama-1B decode, docs/performance.md, eighth session): 166 -> 133 kernels per
-token, but 3.7% slower with 4-row GEMV tiles (0.968 -> 1.005 ms) and 5% with 2-row ones: the
-re-reduction is a serial L2 round trip at the head of every program, the row is read by every
-program one more time, and the separate one-block reduction it replaces overlaps with the GEMV's
-weight prefetch under PDL anyway. Hence opt-in. What would win: accumulating the sum of squares
-in the K loop itself (the row is loaded there anyway) and scaling the dot product once at the end
-(exact for an RMSNorm in fp32; for bf16 it skips the rounding of the normalised row).
+Two forms. When the row operand is a product with the statistic only in some factors (an
+RMSNorm: x · rsqrt(mean + eps) · w; an amax scaling: x / amax) and the statistic's row is the
+GEMV's K axis, the factors without it are the row, and the statistic is accumulated inside the
+K loop from the same elements the loop walks anyway; the dot product is multiplied by the
+statistic's factors once at the end (`Matmul.stat_scale`: exact in real arithmetic, a
+reassociation in floating point). Otherwise every program reduces the row in a pass of its own
+before the K loop and the row operand reads the value as `Acc`.
+
+Measured (H200, Llama-1B decode, docs/performance.md, eighth session), the pre-pass form: 166 ->
+133 kernels per token, but 3.7% slower with 4-row GEMV tiles (0.968 -> 1.005 ms) and 5% with
+2-row ones: the pass is a serial L2 round trip at the head of every program, and the one-block
+reduction it replaced overlapped with the GEMV's weight prefetch under PDL anyway. The in-loop
+form (which an RMSNorm in that decoder takes) was built after that run and is not measured yet.
+Hence opt-in.
 
 When: the reduction has one row (one output element), a fixed number of columns, an epilogue of
 arithmetic on its value alone (no loads: it is re-evaluated at the GEMV's indices), an arena
@@ -67,6 +74,53 @@ def _reads_plainly(expr, buf) -> bool:
     return under_views(expr, False)
 
 
+def _has_acc(expr) -> bool:
+    return any(isinstance(n, Acc) for n in walk(expr))
+
+
+def _factor(a):
+    """(row, scale) with a == row * scale, `row` free of the statistic (`Acc`) and `scale` a
+    function of it alone, through products and quotients only (a cast in between would round
+    the product, which factoring out would skip); None when `a` is not such a product."""
+    free, scale = [], []
+
+    def split(e, inverse: bool) -> bool:
+        if not _has_acc(e):
+            free.append((e, inverse))
+            return True
+        if isinstance(e, Op) and e.op == "mul":
+            return all(split(x, inverse) for x in e.args)
+        if isinstance(e, Op) and e.op == "div":
+            return split(e.args[0], inverse) and split(e.args[1], not inverse)
+        if _value_only(e):
+            scale.append((e, inverse))
+            return True
+        return False
+
+    if not split(a, False) or not free or not scale:
+        return None
+
+    def product(parts, dtype):
+        num = [e for e, inv in parts if not inv]
+        den = [e for e, inv in parts if inv]
+        out = num[0] if num else Const(1.0, dtype)
+        for e in num[1:]:
+            out = Op("mul", [out, e], dtype)
+        for e in den:
+            out = Op("div", [out, e], dtype)
+        return out
+
+    return product(free, a.dtype), product(scale, "float32")
+
+
+def _along_k(spec) -> bool:
+    """The statistic's row is the GEMV's K axis (one dimension of K elements; the rest 1), so the
+    K loop walks its elements."""
+    big = [d for d, size in enumerate(spec.stat_shape) if size != 1]
+    return (spec.batch == 1 and spec.k_ext is None and len(big) == 1
+            and spec.stat_shape[big[0]] == spec.k and big[0] in spec.stat_rdims)
+
+
 def _foldable(red: Kernel) -> bool:
     spec = red.spec
     if not isinstance(spec, Reduction) or red.out.kind != "arena" or red.ext and any(red.ext):
@@ -114,6 +168,9 @@ def fold_row_stats(kernels: list[Kernel]) -> list[Kernel]:
         a = _substitute(g.spec.a, red.out, red.epilogue)
         spec = replace(g.spec, a=a, stat=red.spec.src, stat_shape=tuple(red.spec.src_shape),
                        stat_rdims=tuple(red.spec.rdims), stat_op=red.spec.op)
+        factored = _factor(a) if _along_k(spec) else None
+        if factored is not None:
+            spec = replace(spec, a=factored[0], stat_scale=factored[1])
         label = "+".join([red.label, g.label]) if red.label else g.label
         kernels = kernels[:i] + kernels[i + 1:j] + [replace(g, spec=spec, label=label)] \
             + kernels[j + 1:]

@@ -11,6 +11,8 @@ torch = pytest.importorskip("torch")
 
 from grace.aot import compile as grace_compile  # noqa: E402
 
+from grace.formats import read_package  # noqa: E402
+
 from test_gemv_interpret import _check, _kernels  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -40,6 +42,18 @@ class AmaxProj(torch.nn.Module):
         return self.lin(x / x.abs().amax(-1, keepdim=True))
 
 
+class CenterProj(torch.nn.Module):
+    """The row minus its mean: not a product, so the statistic is reduced in a pass of its own
+    before the K loop."""
+
+    def __init__(self, k, n):
+        super().__init__()
+        self.lin = torch.nn.Linear(k, n, bias=False)
+
+    def forward(self, x):
+        return self.lin(x - x.mean(-1, keepdim=True))
+
+
 class NormTwice(NormProj):
     """The norm's statistic also feeds an output of its own: it keeps its kernel."""
 
@@ -50,12 +64,20 @@ class NormTwice(NormProj):
 
 
 
+def _gemv_source(path):
+    pkg = read_package(path)
+    return next(bytes(pkg.section(k["source"])).decode() for k in pkg.manifest["kernels"]
+                if k["family"] == "matmul")
+
+
 @pytest.mark.parametrize("k", [300, 2048])
 def test_rms_norm_folds_into_the_gemv(tmp_path, k):
     torch.manual_seed(0)
     path = _check(NormProj(k, 37), {"x": torch.randn(1, k) * 3}, tmp_path, tol=1e-5,
                   fold_row_stats=True)
     assert _kernels(path) == ["table_writer", "matmul"]
+    src = _gemv_source(path)   # a product: the mean of squares accumulated in the K loop
+    assert "for s0 in" not in src and "acc_n = acc_n * " in src
 
 
 def test_off_by_default(tmp_path):
@@ -70,6 +92,17 @@ def test_amax_scaling_folds_with_a_masked_last_block(tmp_path):
     x[0, 1400] = -40.0   # the largest magnitude sits in the masked second block
     path = _check(AmaxProj(1500, 20), {"x": x}, tmp_path, tol=1e-5, fold_row_stats=True)
     assert _kernels(path) == ["table_writer", "matmul"]
+    assert "mask_s" in _gemv_source(path)   # K = 1500: the last step's statistic is masked
+
+
+@pytest.mark.parametrize("k", [96, 1500])
+def test_a_row_that_is_no_product_reduces_before_the_k_loop(tmp_path, k):
+    torch.manual_seed(4)
+    path = _check(CenterProj(k, 12), {"x": torch.randn(1, k) + 2}, tmp_path, tol=1e-5,
+                  fold_row_stats=True)
+    assert _kernels(path) == ["table_writer", "matmul"]
+    src = _gemv_source(path)
+    assert "for s0 in" in src and "acc_n = acc_n * " not in src
 
 
 def test_a_statistic_with_another_reader_keeps_its_kernel(tmp_path):
@@ -85,3 +118,44 @@ def test_rows_of_a_gemm_keep_the_reduction(tmp_path):
     path = _check(NormProj(64, 32), {"x": torch.randn(8, 64)}, tmp_path, tol=1e-5,
                   fold_row_stats=True)
     assert "reduction" in _kernels(path)
+
+
+def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path):
+    """The Llama decode step (RMSNorms before the q/k/v and gate/up GEMVs and the LM head, a KV
+    cache written between them): its decode graph has no reduction kernel left, and prefill plus
+    decode steps through the CPU reference executor match eager (fp32)."""
+    import numpy as np
+    from torch.export import Dim
+
+    from grace.tools.interpret import InterpretSession
+    from grace.tools.models import CachedLlama
+
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=96,
+                        max_seq=32).eval()
+    t = Dim("seq", min=1, max=32)
+    path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                         output=tmp_path / "lm.grace", progress=False, fp32_matmul="ieee",
+                         dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                         buckets={"seq": [1, 32]}, fold_row_stats=True)
+    m = read_package(path).manifest
+    decode = next(g for g in m["graphs"] if g["name"] == "seq=1")
+    assert "reduction" not in {m["kernels"][n["kernel"]]["family"] for n in decode["nodes"]}
+    pkg = read_package(path)
+    gemvs = [bytes(pkg.section(m["kernels"][n["kernel"]]["source"])).decode()
+             for n in decode["nodes"] if m["kernels"][n["kernel"]]["family"] == "matmul"]
+    in_loop = [src for src in gemvs if "acc_n = acc_n * " in src]
+    assert len(in_loop) == 5   # q/k/v and gate/up of both layers, and the LM head
+    idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    sess = InterpretSession(path)
+    got = [sess.run({"idx": idx[:, :6].numpy(), "input_pos": np.arange(6)})["out"]]
+    for p in range(6, 9):
+        got.append(sess.run({"idx": idx[:, p:p + 1].numpy(), "input_pos": np.array([p])})["out"])
+    with torch.no_grad():
+        model.reset_cache()
+        ref = [model(idx[:, :6], torch.arange(6)).numpy()]
+        for p in range(6, 9):
+            ref.append(model(idx[:, p:p + 1], torch.tensor([p])).numpy())
+    for g, r in zip(got, ref):
+        err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
+        assert err < 1e-5, err

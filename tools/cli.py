@@ -943,8 +943,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--fold-row-stats", action="store_true",
                    help="reduce a one-row statistic that only a GEMV's row reads (an RMSNorm's mean of squares "
                         "in a decode step) inside that GEMV instead of a kernel of its own (aot/fuse_stats.py); "
-                        "off by default: fewer kernels, but 3.7-5%% slower per token on the H200 "
-                        "(docs/performance.md)")
+                        "off by default: fewer kernels, but its first form was 3.7-5%% slower per token on "
+                        "the H200, and the current one is not measured yet (docs/performance.md)")
     c.add_argument("--sm-count", action="append", metavar="SM=N[,SM=N...]",
                    help="the multiprocessor count to plan an arch's tiles (split-K, attention splits) for, "
                         "for a part other than the default one: sm_80 108 (A100), sm_86 84, sm_89 128 (RTX "
