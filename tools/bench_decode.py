@@ -13,6 +13,7 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
   ... no PDL       the same model compiled with pdl=False (grace's default has programmatic
                    edges, docs/design-pdl.md); "full edges" loads the default package with
                    load(pdl=False): the same kernels, every edge a full one
+  ... fold         (--fold-ab) the same model compiled with fold_row_stats (aot/fuse_stats.py)
 Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes). The HBM
 fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
 positions up to the current one) / time / 4.3 TB/s (the copy rate measured on the H200).
@@ -89,7 +90,7 @@ def _time_tokens(step, tok, pos, steps, repeats, sync):
 
 
 def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),
-        out=None, pdl_ab=True) -> dict:
+        out=None, pdl_ab=True, fold_ab=False) -> dict:
     import numpy as np
     import torch
     from torch.export import Dim
@@ -220,6 +221,24 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         plain = load(plain_path, instantiate="eager")
         measure_grace(plain, " no PDL")
         plain.close()
+    if fold_ab:
+        # the same model compiled with fold_row_stats (aot/fuse_stats.py): RMSNorm statistics
+        # reduced inside the GEMVs that read them
+        t0 = time.perf_counter()
+        fold_path = workdir / f"decode-{shape}-fold.grace"
+        grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                          output=fold_path, progress=False,
+                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                          buckets={"seq": [1, min(1024, max_seq)]},
+                          generate={"tokens": "idx", "positions": "input_pos"},
+                          fold_row_stats=True)
+        model.cuda()
+        res["grace_fold_compile_s"] = time.perf_counter() - t0
+        fold = load(fold_path, instantiate="eager")
+        measure_grace(fold, " fold")
+        res["grace_graphs fold"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
+                                    for g in fold.manifest["graphs"]]
+        fold.close()
     res["hbm_fraction"] = {k: need / (v * 1e-3) / COPY_RATE for k, v in res["ms_per_token"].items()}
     res["grace_graphs"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                            for g in pkg.manifest["graphs"]]
@@ -255,8 +274,12 @@ def main(argv=None):
     ap.add_argument("--out", help="write the results as JSON")
     ap.add_argument("--no-pdl-ab", action="store_true",
                     help="skip the A/B runs: the package with full edges, and one compiled with pdl=False")
+    ap.add_argument("--fold-ab", action="store_true",
+                    help="also time the model compiled with fold_row_stats (RMSNorm statistics reduced "
+                         "inside the GEMVs: aot/fuse_stats.py)")
     a = ap.parse_args(argv)
-    res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out, not a.no_pdl_ab)
+    res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out, not a.no_pdl_ab,
+              a.fold_ab)
     print(format_table(res))
 
 

@@ -205,7 +205,7 @@ def rel_err(got, ref) -> float:
 
 
 def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("tf32x3",),
-                pdl_ab: bool = False, backend_ab: bool = False) -> dict:
+                pdl_ab: bool = False, backend_ab: bool = False, tiles_ab: bool = False) -> dict:
     import torch
 
     model, make_input = make()
@@ -234,20 +234,25 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("
     if pdl_ab:   # the same model and precision without programmatic dependent launch
         _bench_grace(result, "grace[no-pdl]", model, x, workdir / f"{name}-no-pdl.grace", precisions[0],
                      iters, repeats, warmup, pdl=False)
+    if tiles_ab:   # GEMMs of >= 128 rows tiled from the arch's measured table (aot/gemm_tiles/)
+        _bench_grace(result, "grace[gemm-tiles]", model, x, workdir / f"{name}-tiles.grace",
+                     precisions[0], iters, repeats, warmup, gemm_tiles=True)
     if backend_ab:   # the same pipeline behind torch.compile (aot/backend.py)
         _bench_backend(result, model, x, precisions[0], iters, repeats, warmup)
     result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
     return result
 
 
-def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup, pdl=None):
+def _bench_grace(result, key, model, x, path, prec, iters, repeats, warmup, pdl=None,
+                 **options):
     import torch
 
     from grace.aot import compile as grace_compile
     from grace.runtime import load
 
     t = time.perf_counter()
-    grace_compile(model.cpu(), (x.cpu(),), output=path, progress=False, fp32_matmul=prec, pdl=pdl)
+    grace_compile(model.cpu(), (x.cpu(),), output=path, progress=False, fp32_matmul=prec, pdl=pdl,
+                  **options)
     notes = result["notes"]
     notes[f"{key}_compile_s"] = time.perf_counter() - t
     model.cuda()
@@ -720,6 +725,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pdl-ab", action="store_true",
                     help="static workloads: also time grace[no-pdl], the same model compiled "
                          "without programmatic dependent launch (pdl=False; 'grace' has it)")
+    ap.add_argument("--tiles-ab", action="store_true",
+                    help="static workloads: also time grace[gemm-tiles], the same model compiled with "
+                         "gemm_tiles=True (GEMMs of >= 128 rows tiled from aot/gemm_tiles/<arch>.json, "
+                         "e.g. a table written by python -m grace.tools.tile_sweep)")
     ap.add_argument("--backend-ab", action="store_true",
                     help=f"also time {BACKEND}: torch.compile(model, backend=\"grace\"), grace's "
                          "pipeline behind Dynamo (static and dynamic workloads)")
@@ -795,7 +804,7 @@ def main(argv=None):
             results.append(bench_model(name, available[name], args.iters, args.repeats,
                                        args.warmup, Path(tmp),
                                        tuple(args.fp32_matmul.split(",")), args.pdl_ab,
-                                       args.backend_ab))
+                                       args.backend_ab, args.tiles_ab))
             save()
         for name in args.dynamic:
             dynamic.append(bench_dynamic(name, args, Path(tmp), checkpoint=save))
