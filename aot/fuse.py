@@ -27,7 +27,9 @@ def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
     return readers
 
 
-def _substitute(expr, buf, value):
+def substitute(expr, buf, value):
+    """`expr` with every load of `buf` (under pointwise ops) replaced by `value`: a new tree,
+    `expr` unchanged."""
     memo = {}
 
     def go(node):
@@ -78,7 +80,7 @@ def fuse_epilogues(kernels: list[Kernel]) -> list[Kernel]:
                 if (not identity_load(expr, producer.out_shape, buf)
                         or not only_ops_above(expr, buf)):
                     continue
-                fused = replace(producer, epilogue=_substitute(expr, buf, producer.epilogue),
+                fused = replace(producer, epilogue=substitute(expr, buf, producer.epilogue),
                                 out=consumer.out, label=_joined(producer.label, consumer.label))
                 if families.in_place_problem(fused):
                     continue   # it would read what its own programs overwrite (a state update)

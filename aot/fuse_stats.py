@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .families import Matmul, Reduction
+from .fuse import substitute
 from .ir import Acc, Const, Kernel, Load, Op, SymValue, loads, numel, walk
 
 STAT_OPS = ("sum", "max", "min")
@@ -42,25 +43,6 @@ STAT_MAX_COLS = 16384   # the largest row a GEMV program re-reduces (a 16K hidde
 def _value_only(expr) -> bool:
     """Arithmetic on the kernel's value and constants: valid at any index."""
     return all(isinstance(n, (Acc, Const, Op, SymValue)) for n in walk(expr))
-
-
-def _substitute(expr, buf, value):
-    """`expr` with every load of `buf` replaced by `value` (a new tree; `expr` is unchanged)."""
-    memo = {}
-
-    def go(node):
-        if id(node) in memo:
-            return memo[id(node)]
-        if isinstance(node, Load) and node.buf is buf:
-            out = value
-        elif isinstance(node, Op):
-            out = Op(node.op, [go(a) for a in node.args], node.dtype, node.param)
-        else:
-            out = node   # a leaf, or a view (that reads no `buf`: _reads_plainly)
-        memo[id(node)] = out
-        return out
-
-    return go(expr)
 
 
 def _reads_plainly(expr, buf) -> bool:
@@ -165,7 +147,7 @@ def fold_row_stats(kernels: list[Kernel]) -> list[Kernel]:
             i += 1
             continue
         g = kernels[j]
-        a = _substitute(g.spec.a, red.out, red.epilogue)
+        a = substitute(g.spec.a, red.out, red.epilogue)   # _reads_plainly: under ops only
         spec = replace(g.spec, a=a, stat=red.spec.src, stat_shape=tuple(red.spec.src_shape),
                        stat_rdims=tuple(red.spec.rdims), stat_op=red.spec.op)
         factored = _factor(a) if _along_k(spec) else None

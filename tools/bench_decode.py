@@ -105,15 +105,24 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
     res["bytes_per_token"] = need
     prompt = torch.randint(0, SHAPES[shape]["vocab"], (pos,), generator=torch.Generator().manual_seed(1))
 
+    def compile_grace(suffix: str = "", **options) -> Path:
+        """The decoder compiled from its CPU weights (the model goes back to the GPU after)."""
+        on_gpu = next(model.parameters()).is_cuda
+        t0 = time.perf_counter()
+        path = workdir / f"decode-{shape}{suffix}.grace"
+        t = Dim("seq", min=1, max=min(1024, max_seq))
+        grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                          output=path, progress=False,
+                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                          buckets={"seq": [1, min(1024, max_seq)]},
+                          generate={"tokens": "idx", "positions": "input_pos"}, **options)
+        if on_gpu:
+            model.cuda()
+        res[f"grace{suffix.replace('-', '_')}_compile_s"] = time.perf_counter() - t0
+        return path
+
     # grace: compile (CPU weights), then load
-    t0 = time.perf_counter()
-    path = workdir / f"decode-{shape}.grace"
-    t = Dim("seq", min=1, max=min(1024, max_seq))
-    grace.aot.compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
-                      output=path, progress=False, dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                      buckets={"seq": [1, min(1024, max_seq)]},
-                      generate={"tokens": "idx", "positions": "input_pos"})
-    res["grace_compile_s"] = time.perf_counter() - t0
+    path = compile_grace()
     # the weights are streamed into the file: the peak stays near one copy of the model
     res["peak_rss_gb_after_compile"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     res["package_gb"] = path.stat().st_size / 1e9
@@ -209,32 +218,13 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         full = load(path, instantiate="eager", pdl=False)
         measure_grace(full, " full edges")
         full.close()
-        t0 = time.perf_counter()
-        plain_path = workdir / f"decode-{shape}-no-pdl.grace"
-        grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
-                          output=plain_path, progress=False,
-                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                          buckets={"seq": [1, min(1024, max_seq)]},
-                          generate={"tokens": "idx", "positions": "input_pos"}, pdl=False)
-        model.cuda()
-        res["grace_no_pdl_compile_s"] = time.perf_counter() - t0
-        plain = load(plain_path, instantiate="eager")
+        plain = load(compile_grace("-no-pdl", pdl=False), instantiate="eager")
         measure_grace(plain, " no PDL")
         plain.close()
     if fold_ab:
         # the same model compiled with fold_row_stats (aot/fuse_stats.py): RMSNorm statistics
         # reduced inside the GEMVs that read them
-        t0 = time.perf_counter()
-        fold_path = workdir / f"decode-{shape}-fold.grace"
-        grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
-                          output=fold_path, progress=False,
-                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                          buckets={"seq": [1, min(1024, max_seq)]},
-                          generate={"tokens": "idx", "positions": "input_pos"},
-                          fold_row_stats=True)
-        model.cuda()
-        res["grace_fold_compile_s"] = time.perf_counter() - t0
-        fold = load(fold_path, instantiate="eager")
+        fold = load(compile_grace("-fold", fold_row_stats=True), instantiate="eager")
         measure_grace(fold, " fold")
         res["grace_graphs fold"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                                     for g in fold.manifest["graphs"]]
