@@ -13,7 +13,8 @@ RMSNorm: x · rsqrt(mean + eps) · w; an amax scaling: x / amax) and the statist
 GEMV's K axis, the factors without it are the row, and the statistic is accumulated inside the
 K loop from the same elements the loop walks anyway; the dot product is multiplied by the
 statistic's factors once at the end (`Matmul.stat_scale`: exact in real arithmetic, a
-reassociation in floating point). Otherwise every program reduces the row in a pass of its own
+reassociation in floating point; only where the un-normalised dot product itself overflows fp32,
+rows of magnitude ~1e34 and up, does it give inf or NaN where the normalised row stays finite). Otherwise every program reduces the row in a pass of its own
 before the K loop and the row operand reads the value as `Acc`.
 
 Measured (H200, Llama-1B decode, docs/performance.md, eighth session), the pre-pass form: 166 ->

@@ -159,3 +159,13 @@ def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path):
     for g, r in zip(got, ref):
         err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
         assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("k, scale", [(1, 1.0), (64, 1e-20), (64, 1e18), (33, 0.5)])
+def test_edge_rows_size_one_tiny_and_huge(tmp_path, k, scale):
+    """A one-element row (no K axis to walk: the pass form), values whose squares underflow or
+    reach 1e36, and ±0.5 exactly."""
+    torch.manual_seed(6)
+    x = torch.randn(1, k) * scale if scale != 0.5 else torch.where(torch.rand(1, k) < 0.5, -0.5, 0.5)
+    path = _check(NormProj(k, 9), {"x": x}, tmp_path, tol=1e-5, fold_row_stats=True)
+    assert _kernels(path) == ["table_writer", "matmul"]
