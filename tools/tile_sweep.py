@@ -14,8 +14,9 @@ How: the model is compiled once with the heuristic's plans and once per candidat
 every GEMM of >= 128 rows forced to that tile (`gemm_tiles.forced`), each compile recording which
 kernel computes which GEMM (operand kind, M, N, K: a split-K GEMM's reduction kernel counts with
 it). Each package runs on the GPU and CUPTI (the torch profiler) times its kernels. Packages are
-built without PDL: under PDL a kernel's span includes its wait for the kernel before it, so
-per-kernel times overlap and overcount (a decode token of 1.0 ms summed to 1.6 ms of kernels).
+compiled as they ship (PDL, with its weight prefetch) but loaded with full edges
+(`load(pdl=False)`): under PDL a kernel's span includes its wait for the kernel before it, so
+per-kernel times overlap and overcount (a decode token of 1.08 ms summed to 1.6 ms of kernels).
 
 Output: `--out` every timing per GEMM and candidate (merged into the file when it exists, so a
 long sweep can be split over runs with `--tiles`); `--table` the fastest candidate per GEMM in the
@@ -122,15 +123,14 @@ def recording_gemms(found: dict):
 
 
 def compile_with(model, example, path: Path, tile, fp32_matmul: str) -> dict:
-    """Compile `model` with every GEMM of >= 128 rows on `tile` (None: the heuristic), without
-    PDL; {kernel name: GEMM key}."""
+    """Compile `model` with every GEMM of >= 128 rows on `tile` (None: the heuristic);
+    {kernel name: GEMM key}."""
     import grace.aot
     from grace.aot import gemm_tiles
 
     found: dict = {}
     with recording_gemms(found), gemm_tiles.forced(tile):
-        grace.aot.compile(model, (example,), output=path, progress=False, pdl=False,
-                          fp32_matmul=fp32_matmul)
+        grace.aot.compile(model, (example,), output=path, progress=False, fp32_matmul=fp32_matmul)
     return found
 
 
@@ -143,13 +143,14 @@ def per_gemm_us(kernel_us: dict, kernels: dict) -> dict:
 
 
 def time_kernels(path: Path, make_input, iters: int = ITERS) -> dict:
-    """{kernel name: µs per call} of one package on the GPU, by CUPTI."""
+    """{kernel name: µs per call} of one package on the GPU, by CUPTI, its edges built full (the
+    kernels' spans do not overlap)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from grace.runtime import load
 
-    pkg = load(path)
+    pkg = load(path, pdl=False)
     sess = pkg.session()
     x = make_input()
     for _ in range(5):
