@@ -1186,6 +1186,9 @@ def table_writer_source(slots: list[dict], extents: dict | None = None) -> Kerne
 
 
 
+GENERATE_STEP_BLOCK = 8192   # logits per lane block of the generation step's argmax
+
+
 def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
                          next_position) -> KernelSource:
     """One greedy decoding step, run on the device after the model (docs/design-state.md):
@@ -1193,26 +1196,30 @@ def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
     as the next `tokens` input and at `out_tokens[count]`; the next position is the last one + 1;
     ctrl = [count + 1, limit, eos, done] with done = token == eos or count + 1 >= limit.
     `logits` is [1, ..., T, V] and `positions` [T], both read through their table slots (T is
-    the prompt length after prefill and 1 in decode)."""
+    the prompt length after prefill and 1 in decode).
+
+    One program walks the row in blocks of GENERATE_STEP_BLOCK, each lane keeping its own best
+    value and column (a strictly larger value replaces it, so a lane keeps its first maximum):
+    one reduction across lanes at the end, where a reduction per block made the walk a serial
+    chain of ~125 cross-warp reductions for a 128K vocabulary."""
     rank, vocab = len(logits.shape), logits.shape[-1]
-    block = min(1024, next_pow2(vocab))
+    block = min(GENERATE_STEP_BLOCK, next_pow2(vocab))
     src_t = TL_TYPE[logits.dtype]
     lines = [
         "def generate_step(logits_slot, positions_slot, ctrl, out_tokens, next_token, next_position):",
         f"    logits = tl.load(logits_slot).to(tl.pointer_type({src_t}))",
         f"    rows = tl.load(logits_slot + {rank - 1})",          # sizes[rank - 2]: T
         f"    row = logits + (rows - 1) * {vocab}",
-        "    best = tl.full([], -float(\"inf\"), tl.float32)",
-        "    best_i = tl.full([], 0, tl.int32)",
+        f"    best = tl.full([{block}], -float(\"inf\"), tl.float32)",
+        f"    best_i = tl.arange(0, {block})",   # an all -inf row: column 0, as before
         f"    for start in range(0, {vocab}, {block}):",
         f"        cols = start + tl.arange(0, {block})",
         f"        x = tl.load(row + cols, mask=cols < {vocab}, other=-float(\"inf\")).to(tl.float32)",
-        "        m = tl.max(x, 0)",
-        f"        i = tl.min(tl.where(x == m, cols, {vocab}), 0)",
-        "        better = m > best",
-        "        best_i = tl.where(better, i, best_i)",
-        "        best = tl.where(better, m, best)",
-        "    token = best_i.to(tl.int64)",
+        "        better = x > best",
+        "        best_i = tl.where(better, cols, best_i)",
+        "        best = tl.where(better, x, best)",
+        "    m = tl.max(best, 0)",
+        f"    token = tl.min(tl.where(best == m, best_i, {vocab}), 0).to(tl.int64)",
         "    pos = tl.load(positions_slot).to(tl.pointer_type(tl.int64))",
         "    last = tl.load(pos + tl.load(positions_slot + 1) - 1)",
         "    count = tl.load(ctrl)",
@@ -1228,5 +1235,5 @@ def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
     name = f"generate_step_{digest}"
     buffers = [logits, positions, ctrl, out_tokens, next_token, next_position]
     return KernelSource(name, "generate_step", text.replace("def generate_step(", f"def {name}("),
-                        ["*i64", "*i64", "*i64", "*i64", "*i64", "*i64"], buffers, (1, 1, 1), 4, 1,
-                        [2, 3, 4, 5])
+                        ["*i64", "*i64", "*i64", "*i64", "*i64", "*i64"], buffers, (1, 1, 1),
+                        8 if block >= 4096 else 4, 1, [2, 3, 4, 5])
