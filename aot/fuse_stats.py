@@ -4,18 +4,18 @@ An RMSNorm in front of a linear layer is, after lowering, two kernels in a decod
 reduction (the mean of squares, one value) and the GEMV whose row operand recomputes the
 normalised row from it (`Lowering.operand(row=True)`). The reduction reads 2-8 KiB and costs a
 whole kernel boundary: ~1.4 µs of a ~2.5 µs layer-norm-plus-projection on the H200, twice per
-Llama layer. Here the reduction moves into the GEMV: every GEMV program reduces the row once
-before its K loop (the row is in L2; each program reads it once more), and the row operand
-reads that value where it read the reduction's one-element buffer.
+Llama layer. Here the reduction moves into the GEMV: every GEMV program reduces the row itself
+(`Matmul.stat`), in one of two forms.
 
-Two forms. When the row operand is a product with the statistic only in some factors (an
-RMSNorm: x · rsqrt(mean + eps) · w; an amax scaling: x / amax) and the statistic's row is the
-GEMV's K axis, the factors without it are the row, and the statistic is accumulated inside the
-K loop from the same elements the loop walks anyway; the dot product is multiplied by the
-statistic's factors once at the end (`Matmul.stat_scale`: exact in real arithmetic, a
-reassociation in floating point; only where the un-normalised dot product itself overflows fp32,
-rows of magnitude ~1e34 and up, does it give inf or NaN where the normalised row stays finite). Otherwise every program reduces the row in a pass of its own
-before the K loop and the row operand reads the value as `Acc`.
+- In the K loop: when the row operand is a product with the statistic only in some factors (an
+  RMSNorm: x · rsqrt(mean + eps) · w; an amax scaling: x / amax) and the statistic's row is the
+  GEMV's K axis, the factors without it are the row, the statistic is accumulated from the
+  elements the loop walks anyway, and the dot product is multiplied by the statistic's factors
+  once at the end (`Matmul.stat_scale`). Exact in real arithmetic, a reassociation in floating
+  point: only where the un-normalised dot product itself overflows fp32 (rows of magnitude
+  ~1e34 and up) does it give inf or NaN where the normalised row stays finite.
+- Before the K loop, otherwise: a pass over the row (in L2; each program reads it once more),
+  and the row operand reads the value as `Acc` where it read the reduction's one-element buffer.
 
 Measured (H200, Llama-1B decode, docs/performance.md, eighth session), the pre-pass form: 166 ->
 133 kernels per token, but 3.7% slower with 4-row GEMV tiles (0.968 -> 1.005 ms) and 5% with
