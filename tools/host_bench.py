@@ -39,7 +39,10 @@ writes every figure (µs per call: median, min, the samples' count and size).
 
 Noise: on a shared machine the median moves a lot between runs of the same code (on an H200 lease,
 run() medians of 11.9 to 18.7 µs, minimums of 7.3 to 13.4, minutes apart). To compare two versions,
-run them in turns several times and compare the minimums as well as the medians.
+run them in turns several times and compare the minimums as well as the medians. The two run()
+figures take their samples in turns (one of each per round): measured one after the other, the
+first one paid for the lease's drift (eighth session: same buffer 18.9 µs, alternating 12.2, when
+the same buffer skips work the alternating run does).
 """
 
 from __future__ import annotations
@@ -73,18 +76,34 @@ def _show(name: str, fig: dict) -> dict:
 def per_call_us(fn, number: int, repeats: int, sync=None) -> dict:
     """µs per call of `fn`: `repeats` samples, each `number` calls between two perf_counter_ns
     reads (after `sync()` when given: a GPU's queue starts empty). Median and min of the samples."""
+    return per_call_us_interleaved({"fn": fn}, number, repeats, sync)["fn"]
+
+
+def per_call_us_interleaved(fns: dict, number: int, repeats: int, sync=None) -> dict:
+    """per_call_us of several functions, their samples taken in turns (a sample of each, then the
+    next round), so that a drift of the machine (GPU clocks ramping up, a neighbour on a shared
+    lease) weighs on all of them alike: {name: figure}."""
     perf = time.perf_counter_ns
-    samples = []
+    samples: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        if sync is not None:
-            sync()
-        t = perf()
-        for _ in range(number):
-            fn()
-        samples.append((perf() - t) / number / 1e3)
+        for name, fn in fns.items():
+            if sync is not None:
+                sync()
+            t = perf()
+            for _ in range(number):
+                fn()
+            samples[name].append((perf() - t) / number / 1e3)
     if sync is not None:
         sync()
-    return {"median": statistics.median(samples), "min": min(samples), "repeats": repeats, "number": number}
+    return {name: {"median": statistics.median(s), "min": min(s), "repeats": repeats,
+                   "number": number} for name, s in samples.items()}
+
+
+def _run_figures(run_same, run_alternating, number: int, repeats: int, sync=None) -> dict:
+    """run() with the same input every call and with two inputs taking turns, sampled in turns."""
+    figs = per_call_us_interleaved({"run_us": run_same, "run_alternating_us": run_alternating},
+                                   number, repeats, sync)
+    return {name: _show(name, fig) for name, fig in figs.items()}
 
 
 def stage_functions(sess, args) -> dict:
@@ -251,13 +270,12 @@ def _measure_fake(pkg, args, path) -> dict:
            "model": f"tiny BERT {TINY_BERT}", "input": args.input, "seq": args.seq,
            "graph": sess.last_graph}
     number, repeats = args.number, args.repeats
-    res["run_us"] = _show("run_us", per_call_us(lambda: sess.run(*same), number, repeats))
     flip = [0]
 
     def alternating():   # a new pointer every call: the table writer's words change
         flip[0] ^= 1
         sess.run(*inputs[flip[0]])
-    res["run_alternating_us"] = _show("run_alternating_us", per_call_us(alternating, number, repeats))
+    res.update(_run_figures(lambda: sess.run(*same), alternating, number, repeats))
     sess.run(*same)
     res["stages_us"] = time_stages(sess, same, number, repeats)
     sess.close()
@@ -301,14 +319,12 @@ def _measure_gpu(pkg, args, path, dims) -> dict:
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": f"BERT {dims}", "input": "torch", "seq": args.seq, "graph": sess.last_graph}
     burst, repeats = args.burst, args.repeats
-    res["run_us"] = _show("run_us", per_call_us(lambda: sess.run(ids), burst, repeats, sess.sync))
     flip, pair = [0], (ids, other)
 
     def alternating():
         flip[0] ^= 1
         sess.run(pair[flip[0]])
-    res["run_alternating_us"] = _show("run_alternating_us",
-                                      per_call_us(alternating, burst, repeats, sess.sync))
+    res.update(_run_figures(lambda: sess.run(ids), alternating, burst, repeats, sess.sync))
 
     def run_sync():
         sess.run(ids)
