@@ -187,6 +187,10 @@ def scatter(kernel: Kernel, w: Writer):
 
 # ---- reductions -------------------------------------------------------------------------------
 REDUCE_INIT = {"sum": "0", "max": '-float("inf")', "min": 'float("inf")'}
+# how a reduction folds a value into its accumulator, and the reduction across a block
+REDUCE_COMBINE = {"sum": "{acc} + {v}", "max": "tl.maximum({acc}, {v})",
+                  "min": "tl.minimum({acc}, {v})"}
+REDUCE_FN = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}
 
 
 def _row_blocks(w: Writer, spec, start_acc) -> tuple[int, int, int, Ctx]:
@@ -277,8 +281,8 @@ def _unrolled_reduction(kernel: Kernel, w: Writer, op: str, init: str, tl_acc: s
         dims[d] = red_ctx.dim(i)
     ctx = Ctx(w, src_shape, dims, mask="rmask", zero="zero")
     value = ExprEmitter(w).value(spec.src, ctx)
-    combine = {"sum": "acc + {v}", "max": "tl.maximum(acc, {v})", "min": "tl.minimum(acc, {v})"}[op]
-    w.emit("acc = " + combine.format(v=f"tl.where(rmask, {value}.to({tl_acc}), {init})"))
+    w.emit("acc = " + REDUCE_COMBINE[op].format(
+        acc="acc", v=f"tl.where(rmask, {value}.to({tl_acc}), {init})"))
     w.indent -= 1
     w.emit("red = acc")
     return _store_rows(w, kernel, rows, br)
@@ -297,12 +301,9 @@ def reduction(kernel: Kernel, w: Writer):
         w, spec, lambda br, bn: w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})"))
     value = ExprEmitter(w).value(spec.src, ctx)
     w.emit(f"value = tl.where(mask, {value}.to({tl_acc}), {init})")
-    combine = {"sum": "acc + value", "max": "tl.maximum(acc, value)",
-               "min": "tl.minimum(acc, value)"}[op]
-    w.emit(f"acc = {combine}")
+    w.emit("acc = " + REDUCE_COMBINE[op].format(acc="acc", v="value"))
     w.indent -= 1
-    reducer = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}[op]
-    w.emit(f"red = {reducer}(acc, axis=1)")
+    w.emit(f"red = {REDUCE_FN[op]}(acc, axis=1)")
     return _store_rows(w, kernel, rows, br)
 
 
@@ -547,7 +548,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
             ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn[:, None]"], mask=mask,
                       zero="zero_b")
         value = ExprEmitter(w, acc="stat" if op == "a" else None).value(operands[op], ctx)
-        var = op if not kk.startswith("early") else f"{op}_{kk}".rstrip("0")
+        # early K steps' tiles: b_early (the first, its name before there were more), b_early1...
+        var = op if not kk.startswith("early") else f"{op}_{'early' if kk == 'early0' else kk}"
         w.emit(f"{var} = {_masked(value, mask)}.to(tl.float32)")
         return var
 
@@ -566,7 +568,7 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
                                                     zero="zero_a"))
             v = f"{v}.to(tl.float32)" if mask == "None" else \
                 f"tl.where({mask}, {v}.to(tl.float32), {init})"
-            w.emit("s_acc = " + STAT_COMBINE[spec.stat_op].format(v=v))
+            w.emit("s_acc = " + REDUCE_COMBINE[spec.stat_op].format(acc="s_acc", v=v))
 
     steps = cdiv(k, bk)
     early_steps = min(steps, GEMV_PREFETCH_STEPS) if early else 0
@@ -598,7 +600,7 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         w.indent -= 2 if skip_k else 1
     w.emit("acc_n = tl.sum(acc, axis=1)")
     if in_loop:
-        w.emit(f"stat = {STAT_REDUCER[spec.stat_op]}(s_acc)")
+        w.emit(f"stat = {REDUCE_FN[spec.stat_op]}(s_acc)")
         scale = ExprEmitter(w, acc="stat").value(spec.stat_scale, Ctx(w, ()))
         w.emit(f"acc_n = acc_n * {scale}")
     mask = _mask(w, "mask", None if n % bn == 0 else f"(rn < {n})",
@@ -634,14 +636,9 @@ def _row_stat(w: Writer, spec):
     value = f"{value}.to(tl.float32)"
     if mask != "None":
         value = f"tl.where(s_mask, {value}, {init})"
-    w.emit("s_acc = " + STAT_COMBINE[spec.stat_op].format(v=value))
+    w.emit("s_acc = " + REDUCE_COMBINE[spec.stat_op].format(acc="s_acc", v=value))
     w.indent -= 1
-    w.emit(f"stat = {STAT_REDUCER[spec.stat_op]}(s_acc, axis=0)")
-
-
-STAT_COMBINE = {"sum": "s_acc + {v}", "max": "tl.maximum(s_acc, {v})",
-                "min": "tl.minimum(s_acc, {v})"}
-STAT_REDUCER = {"sum": "tl.sum", "max": "tl.max", "min": "tl.min"}
+    w.emit(f"stat = {REDUCE_FN[spec.stat_op]}(s_acc, axis=0)")
 
 
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
