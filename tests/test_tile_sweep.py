@@ -98,6 +98,17 @@ def test_best_table_and_summary():
     json.dumps(table)
 
 
+def test_a_gemm_the_profile_missed_is_left_out_not_free():
+    kernels = {"matmul_a": "tf32 197 384 384", "matmul_b": "tf32 197 384 1536",
+               "reduction_b": "tf32 197 384 1536"}
+    us, missing = tile_sweep.per_gemm_us({"matmul_a": 5.0, "reduction_b": 2.0, "other": 1.0},
+                                         kernels)
+    assert us == {"tf32 197 384 384": 5.0}     # matmul_b unseen: its GEMM has no time at all
+    assert missing == {"tf32 197 384 1536"}
+    assert tile_sweep.rel_error(np.ones(4), np.ones(4)) == 0.0
+    assert tile_sweep.rel_error(np.array([1.0, 1.1]), np.array([1.0, 1.0])) > 0.05
+
+
 def test_table_entries_with_split_are_read(tmp_path, monkeypatch):
     (tmp_path / "sm_90.json").write_text(json.dumps({"entries": [
         {"kind": "tf32", "M": 197, "N": 384, "K": 1536, "bm": 64, "bn": 64, "bk": 32, "warps": 4,

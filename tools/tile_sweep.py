@@ -13,8 +13,10 @@ between other kernels. Here each candidate is timed where it will run.
 How: the model is compiled once with the heuristic's plans and once per candidate tile, with
 every GEMM of >= 128 rows forced to that tile (`gemm_tiles.forced`), each compile recording which
 kernel computes which GEMM (operand kind, M, N, K: a split-K GEMM's reduction kernel counts with
-it). Each package runs on the GPU and CUPTI (the torch profiler) times its kernels. Packages are
-compiled as they ship (PDL, with its weight prefetch) but loaded with full edges
+it). Each package runs on the GPU, in a process of its own, and CUPTI (the torch profiler) times
+its kernels; its output must match the heuristic package's, and a GEMM whose kernels the profile
+does not show is left out of that candidate, never counted as free. Packages are compiled as they
+ship (PDL, with its weight prefetch) but loaded with full edges
 (`load(pdl=False)`): under PDL a kernel's span includes its wait for the kernel before it, so
 per-kernel times overlap and overcount (a decode token of 1.08 ms summed to 1.6 ms of kernels).
 
@@ -30,6 +32,7 @@ import argparse
 import datetime
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +50,8 @@ DEFAULT_TILES = ("32x32x64w4s3", "32x64x32w4s3", "32x64x64w4s3", "32x64x64w4s4",
                  "128x128x32w8s3", "32x32x64w4s3k2", "32x64x64w4s3k2", "64x32x64w4s3k2",
                  "64x64x32w4s3k2", "64x64x64w4s3k2", "64x64x32w4s3k4")
 ITERS = 20
+# a candidate's output against the heuristic's (tf32 dots differ by ~1e-3 in the reduction order)
+MAX_REL_ERROR = 2e-2
 _TILE = re.compile(r"^(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(?:k(\d+))?$")
 
 
@@ -134,17 +139,44 @@ def compile_with(model, example, path: Path, tile, fp32_matmul: str) -> dict:
     return found
 
 
-def per_gemm_us(kernel_us: dict, kernels: dict) -> dict:
-    """{GEMM key: µs per call} from {kernel name: µs per call} and the compile's kernel map."""
+def per_gemm_us(kernel_us: dict, kernels: dict) -> tuple[dict, set]:
+    """({GEMM key: µs per call}, {GEMM keys left out}) from {kernel name: µs per call} and the
+    compile's kernel map. A GEMM one of whose kernels the profile never saw is left out, not
+    counted as free: a missing kernel is a measurement fault, never a fast tile."""
     out: dict = defaultdict(float)
+    missing: set = set()
     for name, key in kernels.items():
-        out[key] += kernel_us.get(name, 0.0)
-    return dict(out)
+        if name in kernel_us:
+            out[key] += kernel_us[name]
+        else:
+            missing.add(key)
+    return {k: v for k, v in out.items() if k not in missing}, missing
 
 
-def time_kernels(path: Path, make_input, iters: int = ITERS) -> dict:
-    """{kernel name: µs per call} of one package on the GPU, by CUPTI, its edges built full (the
-    kernels' spans do not overlap)."""
+def time_kernels(path: Path, inputs: Path, iters: int = ITERS) -> tuple[dict, object]:
+    """({kernel name: µs per call}, the first output) of one package on the GPU, by CUPTI, its
+    edges built full (the kernels' spans do not overlap).
+
+    Each package is timed in a process of its own: CUPTI names a kernel by what it saw first at
+    its function's address, and a package loaded after another one was closed reuses addresses,
+    so in one process a later candidate's kernels were reported under an earlier one's names
+    (the first GPU run of this tool credited five GEMMs with 0 µs)."""
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="tile_sweep-time-") as tmp:
+        out = Path(tmp) / "result"
+        proc = subprocess.run([sys.executable, "-m", "grace.tools.tile_sweep", "--time-package",
+                               str(path), str(inputs), str(out), str(iters)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"timing {path.name} failed: {proc.stderr.strip()[-1500:]}")
+        times = json.loads(out.with_suffix(".json").read_text())
+        return times, np.load(out.with_suffix(".npy"))
+
+
+def _time_package(path: str, inputs: str, out: str, iters: str) -> None:
+    """The child of time_kernels: load, warm up, profile `iters` calls, write the result."""
+    import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -152,22 +184,30 @@ def time_kernels(path: Path, make_input, iters: int = ITERS) -> dict:
 
     pkg = load(path, pdl=False)
     sess = pkg.session()
-    x = make_input()
+    x = torch.load(inputs).cuda()
     for _ in range(5):
-        sess.run(x)
+        result = sess.run(x)
     sess.sync()
+    np.save(out + ".npy", np.asarray(next(iter(result.values())).numpy(), np.float32))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
+        for _ in range(int(iters)):
             sess.run(x)
         sess.sync()
     per: dict = defaultdict(float)
     for e in prof.events():
         if e.device_type.name == "CUDA":
             per[e.name] += getattr(e, "device_time_total", None) or e.cuda_time_total
+    Path(out + ".json").write_text(json.dumps({k: v / int(iters) for k, v in per.items()}))
     sess.close()
     pkg.close()
-    del torch
-    return {k: v / iters for k, v in per.items()}
+
+
+def rel_error(got, ref) -> float:
+    """||got - ref|| / ||ref|| in float64 (a candidate must compute what the heuristic does)."""
+    import numpy as np
+
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
 def best_table(results: dict) -> list[dict]:
@@ -214,6 +254,9 @@ def summary(results: dict) -> list[str]:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--time-package"]:   # the child process of time_kernels
+        return _time_package(*argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
@@ -224,8 +267,6 @@ def main(argv=None):
                     help="fp32 dots (the table's operand kind); default tf32, as the benchmark")
     ap.add_argument("--tiles", help="comma-separated candidates BMxBNxBKwWARPSsSTAGES[kSPLIT] "
                                     f"(default: {','.join(DEFAULT_TILES)})")
-    ap.add_argument("--no-heuristic", action="store_true",
-                    help="skip the heuristic's own compile (already in --out)")
     ap.add_argument("--iters", type=int, default=ITERS, help="profiled calls per package")
     ap.add_argument("--out", type=Path, help="every timing as JSON (merged into an existing file)")
     ap.add_argument("--table", type=Path, help="the fastest candidate per GEMM, as a tile table")
@@ -249,38 +290,54 @@ def main(argv=None):
     model = model.cpu()
 
     results: dict = {}
+    errors: dict = {}
     record = {"model": args.model, "fp32_matmul": args.fp32_matmul,
-              "gpu": torch.cuda.get_device_name(), "results": results}
+              "gpu": torch.cuda.get_device_name(), "results": results, "rel_error": errors}
     if args.out and args.out.exists():
         old = json.loads(args.out.read_text())
         if (old.get("model"), old.get("fp32_matmul")) == (args.model, args.fp32_matmul):
             results.update(old.get("results", {}))
-    candidates = ([] if args.no_heuristic else [None]) + tiles
+            errors.update(old.get("rel_error", {}))
+    candidates = [None] + tiles   # the heuristic first: every candidate's output is checked on it
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tile_sweep-"))
     work.mkdir(parents=True, exist_ok=True)
+    inputs = work / "input.pt"
+    torch.save(example, inputs)
+    reference = None
     for i, tile in enumerate(candidates):
         name = tile_name(tile)
         t0 = time.perf_counter()
         path = work / f"{args.model}-{name}.grace"
         try:
             kernels = compile_with(model, example, path, tile, args.fp32_matmul)
-            us = per_gemm_us(time_kernels(path, make_input, args.iters), kernels)
+            kernel_us, output = time_kernels(path, inputs, args.iters)
         except Exception as e:   # a tile that does not build (shared memory) is skipped
             _log(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
             continue
         finally:
             path.unlink(missing_ok=True)
+        if reference is None:
+            reference = output
+        err = errors[name] = rel_error(output, reference)
+        if err > MAX_REL_ERROR:
+            _log(f"{name}: output differs from the heuristic's by {err:.2e} (> {MAX_REL_ERROR}): "
+                 "left out")
+            continue
+        us, missing = per_gemm_us(kernel_us, kernels)
+        if missing:
+            unmatched = sorted((k for k in kernel_us if k not in kernels and "matmul" in k))
+            _log(f"{name}: the profile lacks kernels of {sorted(missing)} (left out); "
+                 f"matmul kernels it has that the compile did not record: {unmatched[:6]}")
         for key, v in us.items():
             results.setdefault(key, {})[name] = v
         _log(f"[{i + 1}/{len(candidates)}] {name}: {sum(us.values()):.1f} µs of GEMMs per call "
-             f"over {len(us)} shapes ({time.perf_counter() - t0:.0f} s)")
+             f"over {len(us)} shapes, rel. error {err:.1e} ({time.perf_counter() - t0:.0f} s)")
         if args.out:
             args.out.write_text(json.dumps(record, indent=1))
     if args.table:
         args.table.write_text(json.dumps({
             "gpu": record["gpu"], "date": datetime.date.today().isoformat(),
-            "command": "python -m grace.tools.tile_sweep " + " ".join(sys.argv[1:] if argv is None
-                                                                     else argv),
+            "command": "python -m grace.tools.tile_sweep " + " ".join(argv),
             "model": args.model, "entries": best_table(results)}, indent=1))
     print("\n".join(summary(results)))
 
