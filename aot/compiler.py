@@ -63,15 +63,15 @@ class CompileOptions:
     # multiprocessor counts per arch for another part than formats.archs.SM_COUNTS's:
     # (("sm_90", 114),) for an H100 PCIe. The tile plans (split-K, attention splits) fill this many.
     sm_count: tuple = ()
-    # GEMMs of >= 128 rows tiled from the arch's measured table (aot/gemm_tiles.py). Off by
-    # default: the table was measured on a mirror of the GEMM template, and with it ViT-S ran 14%
-    # and ResNet-50 31% slower on the H200 (docs/performance.md, sixth session).
-    gemm_tiles: bool = False
+    # GEMMs of >= 128 rows near a shape of the arch's measured table take its tile (aot/gemm_tiles.py).
+    # On the H200 ViT-S ran 0.437 ms with it against 0.550 (docs/performance.md, ninth session);
+    # shapes far from the table keep the heuristic. False: the heuristic everywhere (A/B runs).
+    gemm_tiles: bool = True
     # one-row reductions (an RMSNorm's mean of squares) computed inside the GEMV that reads them
     # (aot/fuse_stats.py). Off by default: in the Llama-1B decode graph on the H200 its first
-    # form (a pass over the row before the K loop) saved 33 kernels and cost 3.7-5% per token
-    # (docs/performance.md, eighth session); the form that accumulates inside the K loop, which
-    # RMSNorms now take, is not measured yet.
+    # form (a pass over the row before the K loop) saved 33 kernels and cost 3.7-5% per token;
+    # the form that accumulates inside the K loop, which RMSNorms take, measured 0.976 ms per
+    # token against 0.980 without (docs/performance.md, eighth and ninth sessions): no gain.
     fold_row_stats: bool = False
 
     def __post_init__(self):
@@ -163,7 +163,7 @@ class CompileReport:
 
 def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90",),  # noqa: A001
             name=None, progress=False, fp32_matmul=None, jobs=None, dynamic_shapes=None,
-            buckets=None, generate=None, pdl=None, sm_count=None, gemm_tiles=False,
+            buckets=None, generate=None, pdl=None, sm_count=None, gemm_tiles=True,
             fold_row_stats=False) -> Path:
     """Compile an nn.Module (with example inputs) or an ExportedProgram into a .grace file.
 
@@ -188,11 +188,12 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     (compile time grows with the number of targets), the runtime runs the variant of its GPU.
     `sm_count={"sm_90": 114}`: the multiprocessor count to plan an arch's tiles for, for a part
     other than formats.archs.SM_COUNTS's (the H100 PCIe has 114, the table's H100/H200 132).
-    `gemm_tiles=True`: GEMMs of >= 128 rows take their tiles from the arch's measured table
-    (aot/gemm_tiles.py); off by default, as it measured slower on whole models so far.
+    `gemm_tiles` (on): GEMMs of >= 128 rows near a shape of the arch's measured table take its
+    tile, split-K included (aot/gemm_tiles.py); False: the tile heuristic everywhere.
     `fold_row_stats=True`: a one-row reduction that only a GEMV's row reads (an RMSNorm's mean
     of squares in a decode step) is reduced inside that GEMV (aot/fuse_stats.py): fewer kernels;
-    off by default until it measures faster per token (its first form did not).
+    off by default: in the Llama-1B decode graph it measured the same per token (0.976 against
+    0.980 ms, docs/performance.md, ninth session).
 
     A library call prints nothing: `progress=True` reports each stage and a build progress bar on
     stderr (what `grace compile` shows). Errors are exceptions (LoweringError names the op and

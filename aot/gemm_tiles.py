@@ -1,25 +1,26 @@
 """Measured GEMM tiles for M >= 128, per GPU architecture (issue 8, item 5).
 
 The tile heuristic (codegen.gemm_plan) fills the chip first: it takes the largest tile that still
-gives every multiprocessor a program, which for 128..1024 rows means 16-row tiles or 128x128 ones.
-Timed on the H200 (tools/gemm_sweep.py, CUPTI kernel time, docs/performance.md "sixth session"),
-that left 6% (tf32x3), 17% (bf16) and 19% (tf32) of GEMM time on the table in geometric mean, up
-to 2x on some shapes: 64-row tiles with fewer programs, 4-stage pipelines and narrower N tiles won.
+gives every multiprocessor a program, which for 128..1024 rows means 16-row tiles or 128x128 ones,
+and a single K walk. For ViT-S's GEMMs (197 rows) that is 24-72 programs walking K = 384..1536 in
+series, at ~20 TFLOP/s.
 
-A table is `gemm_tiles/<arch>.json`: the fastest (bm, bn, bk, warps, stages) per operand kind on a
-grid of (M, N, K). A GEMM takes the entry of the nearest grid point (distance in log2 of each
-extent); an arch without a table, or a kind the sweep did not time (fp32 with "ieee" dots), keeps
-the heuristic. The grid spans 128..1024 rows and 128..3072 columns; beyond it the nearest corner
-is used, which still beats the heuristic's choice there (the largest shapes of the sweep).
+A table is `gemm_tiles/<arch>.json`: the fastest tile (bm, bn, bk, warps, stages, split-K) per
+operand kind and (M, N, K), timed on the kernels a whole model generates by
+tools/tile_sweep.py (every GEMM of the model forced to each candidate, CUPTI time per kernel, the
+output checked against the heuristic's). A GEMM takes the nearest entry when it is within a
+factor of sqrt(2) in each of M, N and K (`NEAR`, in log2), and the heuristic otherwise: the first
+table, a grid measured on a mirror of the template (tools/gemm_sweep.py) and applied to every
+shape by nearest point, made ViT-S 14% and ResNet-50 31% slower (docs/performance.md, sixth
+session): a tile measured on one shape and operand path does not carry to a far one.
 
-Opt-in (`gemm_tiles=True`, `grace compile --gemm-tiles`): on whole models the table lost on the
-H200 (ViT-S 0.602 -> 0.686 ms, ResNet-50 0.475 -> 0.622, EfficientNet-B0 0.356 -> 0.385;
-docs/performance.md, sixth session). The sweep times a mirror of the template, not the generated
-kernels (whose A loads go through the expression emitter, and convolutions' through an im2col
-gather), so its winners do not carry over; the next table should be measured on generated
-kernels: tools/tile_sweep.py does that (every GEMM of a whole model forced to each candidate,
-`forced`, timed per kernel on the GPU) and writes its winners, split-K factor included, in this
-format.
+On by default (`gemm_tiles=False`, `grace compile --no-gemm-tiles` turn it off). The sm_90 table
+is ViT-S's, measured on the H200: with it ViT-S ran 0.437 ms against 0.550 with the heuristic,
+in one benchmark run (docs/performance.md, ninth session); split-K by 4 won on four of its five
+GEMM shapes. Shapes far from it (ResNet-50's, MobileBERT's, a decoder's) keep the heuristic and
+compile to the same kernels as without a table. To extend it, sweep another model on that GPU:
+`python -m grace.tools.tile_sweep --model M --table aot/gemm_tiles/sm_90.json` merges its winners
+into the table (each entry names the model it was measured on; `sweeps` lists the commands).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from pathlib import Path
 
 TABLE_DIR = Path(__file__).with_name("gemm_tiles")
 MIN_ROWS = 128   # below this the heuristic (GEMV, split-K, 16-row tiles) decides
+NEAR = 0.5       # an entry applies within this distance in log2 of each of M, N, K (x sqrt 2)
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,8 @@ def table_arch(arch: str) -> str | None:
 
 
 def measured_tile(arch: str | None, kind: str | None, m: int, n: int, k: int) -> Tile | None:
-    """The table's tile for an [m, k] x [k, n] GEMM, or None (no table, kind or too few rows).
+    """The table's tile for an [m, k] x [k, n] GEMM, or None (no table, kind or too few rows, or
+    no measured shape within a factor of sqrt(2) in each extent: `NEAR`).
     `arch`: the table to use (lowering's options["tile_table"], the compile target's arch)."""
     if m < MIN_ROWS or kind is None:
         return None
@@ -104,5 +107,5 @@ def measured_tile(arch: str | None, kind: str | None, m: int, n: int, k: int) ->
     if not entries:
         return None
     at = (math.log2(m), math.log2(n), math.log2(k))
-    _, tile = min(entries, key=lambda e: sum((a - b) ** 2 for a, b in zip(e[0], at)))
-    return tile
+    point, tile = min(entries, key=lambda e: sum((a - b) ** 2 for a, b in zip(e[0], at)))
+    return tile if max(abs(a - b) for a, b in zip(point, at)) <= NEAR + 1e-9 else None

@@ -89,7 +89,7 @@ def test_the_manifest_records_one_variant_per_target(builds):
     m = read_package(builds["lm"]).manifest
     assert m["format_version"] == [3, 5] and m["archs"] == list(BOTH)
     assert m["options"]["targets"] == [{"archs": ["sm_80"], "pdl": False, "sm_count": 108, "gemm_tiles": None},
-                                       {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": None}]
+                                       {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": "sm_90"}]
     assert [a for a, _ in variants(as_view(m))] == [("sm_80",), ("sm_90",)]
     for arch, pdl, sms in (("sm_80", False, 108), ("sm_90", True, 132)):
         graphs = _graphs_of(m, arch)
@@ -549,7 +549,7 @@ def test_sm_count_overrides_make_archs_alike(tmp_path):
     graphs (a 3.4-shaped package), split-K as for 108 SMs."""
     model, x = _split_model()
     path = grace_compile(model, (x,), output=tmp_path / "split.grace", archs=BOTH, fp32_matmul="ieee",
-                         sm_count={"sm_90": 108}, pdl=False)
+                         sm_count={"sm_90": 108}, pdl=False, gemm_tiles=False)
     m = read_package(path).manifest
     assert m["options"]["targets"] == [{"archs": list(BOTH), "pdl": False, "sm_count": 108,
                                         "gemm_tiles": None}]
@@ -570,7 +570,7 @@ def test_each_target_lowers_with_its_own_sm_count(tmp_path, monkeypatch):
     m = read_package(_compile_mlp(tmp_path / "m.grace", ("sm_80", "sm_90"), True,
                                   sm_count={"sm_90": 114})).manifest
     assert seen == [(108, False)] * 2 + [(114, True)] * 2   # two buckets per target
-    assert m["options"]["targets"][1] == {"archs": ["sm_90"], "pdl": True, "sm_count": 114, "gemm_tiles": None}
+    assert m["options"]["targets"][1] == {"archs": ["sm_90"], "pdl": True, "sm_count": 114, "gemm_tiles": "sm_90"}
     assert {g["compiled"]["target"]["sm_count"] for g in _graphs_of(m, "sm_90")} == {114}
 
 
@@ -578,19 +578,20 @@ def test_compile_options():
     CompileOptions = compiler.CompileOptions
     assert [t.recorded() for t in CompileOptions(archs=BOTH, pdl=True).targets()] == \
         [{"archs": ["sm_80"], "pdl": False, "sm_count": 108, "gemm_tiles": None},
-         {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": None}]
+         {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": "sm_90"}]
     # same pdl, SM count and GEMM tile table: one target
     alike = CompileOptions(archs=("sm_80", "sm_86"), sm_count=(("sm_86", 108),)).targets()
     assert [t.archs for t in alike] == [("sm_80", "sm_86")]
-    same = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),), pdl=False).targets()
+    same = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),), pdl=False,
+                          gemm_tiles=False).targets()
     assert [t.archs for t in same] == [("sm_80", "sm_90")]
     # pdl by default: on for the sm_90+ archs, so sm_80 and sm_90 differ even at one SM count
     default = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),)).targets()
     assert [(t.archs, t.pdl) for t in default] == [(("sm_80",), False), (("sm_90",), True)]
     assert CompileOptions(archs=("sm_80",)).targets()[0].pdl is False   # no error: nothing to turn on
-    # with measured GEMM tiles, only sm_90 has a table: two targets
+    # with measured GEMM tiles (the default), only sm_90 has a table: two targets
     tables = CompileOptions(archs=("sm_80", "sm_90"), sm_count=(("sm_80", 132),),
-                            gemm_tiles=True, pdl=False).targets()
+                            pdl=False).targets()
     assert [(t.archs, t.gemm_tiles) for t in tables] == [(("sm_80",), None), (("sm_90",), "sm_90")]
     assert CompileOptions(archs=("sm_87",), sm_count=(("sm_87", 16),)).targets()[0].sm_count == 16
     for kw, message in [

@@ -109,6 +109,25 @@ def test_a_gemm_the_profile_missed_is_left_out_not_free():
     assert tile_sweep.rel_error(np.array([1.0, 1.1]), np.array([1.0, 1.0])) > 0.05
 
 
+def test_a_table_grows_by_each_model_swept_and_refuses_another_gpu(tmp_path):
+    def entry(m, n, k, split, us):
+        return {"kind": "tf32", "M": m, "N": n, "K": k, "bm": 64, "bn": 64, "bk": 32, "warps": 4,
+                "stages": 3, "split": split, "us": us, "heuristic_us": 2 * us}
+
+    path = tmp_path / "sm_90.json"
+    tile_sweep.write_table(path, [entry(197, 384, 384, 4, 40.0), entry(197, 1152, 384, 1, 70.0)],
+                           "vit_s", "NVIDIA H200", "python -m grace.tools.tile_sweep --model vit_s")
+    table = tile_sweep.write_table(path, [entry(197, 384, 384, 2, 30.0), entry(784, 192, 96, 1, 9.0)],
+                                   "convnext_tiny", "NVIDIA H200", "python -m grace.tools.tile_sweep")
+    assert json.loads(path.read_text()) == table
+    got = {(e["M"], e["N"], e["K"]): (e["split"], e["model"]) for e in table["entries"]}
+    assert got == {(197, 384, 384): (2, "convnext_tiny"),     # the same shape: the newer sweep's
+                   (197, 1152, 384): (1, "vit_s"), (784, 192, 96): (1, "convnext_tiny")}
+    assert [s["model"] for s in table["sweeps"]] == ["vit_s", "convnext_tiny"]
+    with pytest.raises(SystemExit, match="NVIDIA H100"):
+        tile_sweep.write_table(path, [], "vit_s", "NVIDIA H100", "python -m grace.tools.tile_sweep")
+
+
 def test_table_entries_with_split_are_read(tmp_path, monkeypatch):
     (tmp_path / "sm_90.json").write_text(json.dumps({"entries": [
         {"kind": "tf32", "M": 197, "N": 384, "K": 1536, "bm": 64, "bn": 64, "bk": 32, "warps": 4,

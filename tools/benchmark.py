@@ -234,9 +234,9 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("
     if pdl_ab:   # the same model and precision without programmatic dependent launch
         _bench_grace(result, "grace[no-pdl]", model, x, workdir / f"{name}-no-pdl.grace", precisions[0],
                      iters, repeats, warmup, pdl=False)
-    if tiles_ab:   # GEMMs of >= 128 rows tiled from the arch's measured table (aot/gemm_tiles/)
-        _bench_grace(result, "grace[gemm-tiles]", model, x, workdir / f"{name}-tiles.grace",
-                     precisions[0], iters, repeats, warmup, gemm_tiles=True)
+    if tiles_ab:   # the tile heuristic for every GEMM ('grace' takes aot/gemm_tiles/'s table)
+        _bench_grace(result, "grace[no-gemm-tiles]", model, x, workdir / f"{name}-no-tiles.grace",
+                     precisions[0], iters, repeats, warmup, gemm_tiles=False)
     if backend_ab:   # the same pipeline behind torch.compile (aot/backend.py)
         _bench_backend(result, model, x, precisions[0], iters, repeats, warmup)
     result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
@@ -726,9 +726,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="static workloads: also time grace[no-pdl], the same model compiled "
                          "without programmatic dependent launch (pdl=False; 'grace' has it)")
     ap.add_argument("--tiles-ab", action="store_true",
-                    help="static workloads: also time grace[gemm-tiles], the same model compiled with "
-                         "gemm_tiles=True (GEMMs of >= 128 rows tiled from aot/gemm_tiles/<arch>.json, "
-                         "e.g. a table written by python -m grace.tools.tile_sweep)")
+                    help="static workloads: also time grace[no-gemm-tiles], the same model compiled with "
+                         "gemm_tiles=False (the tile heuristic for every GEMM; 'grace' takes the tiles of "
+                         "aot/gemm_tiles/<arch>.json near its shapes, e.g. a table written by python -m "
+                         "grace.tools.tile_sweep)")
     ap.add_argument("--backend-ab", action="store_true",
                     help=f"also time {BACKEND}: torch.compile(model, backend=\"grace\"), grace's "
                          "pipeline behind Dynamo (static and dynamic workloads)")

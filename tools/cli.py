@@ -461,8 +461,8 @@ def cmd_compile(args) -> int:
         extra["generate"] = generate
     if args.pdl is not None:
         extra["pdl"] = args.pdl
-    if args.gemm_tiles:
-        extra["gemm_tiles"] = True
+    if not args.gemm_tiles:
+        extra["gemm_tiles"] = False
     if args.fold_row_stats:
         extra["fold_row_stats"] = True
     if sm_count:
@@ -936,10 +936,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "arch has it (on the H200 every model measured ran 3-18%% faster, docs/performance.md); "
                         "--pdl insists (an error when no arch is sm_90+), --no-pdl turns it off. "
                         "grace.runtime.load(path, pdl=False) runs a PDL package with full edges, for A/B")
-    c.add_argument("--gemm-tiles", action="store_true",
-                   help="tile GEMMs of 128 rows or more from the arch's measured table (aot/gemm_tiles/, "
-                        "made by python -m grace.tools.gemm_sweep on that GPU); off by default: on the H200 "
-                        "it made ViT-S and ResNet-50 slower so far (docs/performance.md)")
+    c.add_argument("--gemm-tiles", action=argparse.BooleanOptionalAction, default=True,
+                   help="GEMMs of 128 rows or more near a shape of the arch's measured table (aot/gemm_tiles/, "
+                        "made by python -m grace.tools.tile_sweep on that GPU) take its tile, split-K included; "
+                        "other shapes keep the heuristic. Default: on (ViT-S 0.437 against 0.550 ms on the "
+                        "H200, docs/performance.md); --no-gemm-tiles: the heuristic everywhere, for A/B")
     c.add_argument("--fold-row-stats", action="store_true",
                    help="reduce a one-row statistic that only a GEMV's row reads (an RMSNorm's mean of squares "
                         "in a decode step) inside that GEMV instead of a kernel of its own (aot/fuse_stats.py); "

@@ -7,10 +7,11 @@ pipeline depth, on a grid of shapes, per operand kind (fp32 with tf32x3 or tf32 
 
     python -m grace.tools.gemm_sweep --out sweep.json --table aot/gemm_tiles/sm_90.json
 
-`--out` gets every timing; `--table` the fastest configuration per shape, which the compiler reads
-(aot/gemm_tiles.py: the nearest measured shape wins). Run it on the GPU the table is for; the
-table records the GPU's name and the date. docs/performance.md has the numbers behind today's
-table.
+`--out` gets every timing; `--table` the fastest configuration per shape, in the format the
+compiler reads (aot/gemm_tiles.py: a measured shape within sqrt(2) in each extent applies). Run it
+on the GPU the table is for. A grid table measured this way made whole models slower on the H200
+(docs/performance.md, sixth session): the table in use comes from tools/tile_sweep.py, which
+times the kernels a model generates.
 """
 from __future__ import annotations
 

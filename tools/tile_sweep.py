@@ -22,8 +22,9 @@ per-kernel times overlap and overcount (a decode token of 1.08 ms summed to 1.6 
 
 Output: `--out` every timing per GEMM and candidate (merged into the file when it exists, so a
 long sweep can be split over runs with `--tiles`); `--table` the fastest candidate per GEMM in the
-format of aot/gemm_tiles/<arch>.json (with `split`), which `grace compile --gemm-tiles` reads when
-copied there. The table is per GPU: run this on the GPU it is for. Times are per call, summed over
+format of aot/gemm_tiles/<arch>.json (with `split`), merged into that file when it exists (an
+entry of the same shape replaced), so `--table aot/gemm_tiles/sm_90.json` extends the table the
+compiler reads by default with another model's GEMMs. The table is per GPU: run this on the GPU it is for. Times are per call, summed over
 the model's instances of a GEMM shape (ViT-S runs each of its four shapes 12 times).
 """
 from __future__ import annotations
@@ -232,6 +233,31 @@ def best_table(results: dict) -> list[dict]:
     return entries
 
 
+def write_table(path: Path, entries: list[dict], model: str, gpu: str, command: str) -> dict:
+    """Write `entries` (best_table's, measured on `model`) as a tile table at `path`, merged into
+    the table already there: an entry of the same (kind, M, N, K) is replaced, the others kept,
+    so one table grows over the models swept on a GPU. A table of another GPU is not merged
+    into (its tiles were timed elsewhere): that is an error."""
+    table = {"gpu": gpu, "entries": [], "sweeps": []}
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("gpu") != gpu:
+            raise SystemExit(f"tile_sweep: {path} holds tiles timed on {old.get('gpu')!r}, not on "
+                             f"this {gpu!r}; write the table to another file")
+        table["entries"] = [e for e in old.get("entries", []) if "bm" in e]
+        table["sweeps"] = old.get("sweeps") or (
+            [{k: old[k] for k in ("model", "date", "command") if k in old}] if "command" in old
+            else [])
+    shape = lambda e: (e["kind"], e["M"], e["N"], e["K"])   # noqa: E731
+    new = {shape(e): {**e, "model": model} for e in entries}
+    table["entries"] = sorted([e for e in table["entries"] if shape(e) not in new]
+                              + list(new.values()), key=shape)
+    table["sweeps"].append({"model": model, "date": datetime.date.today().isoformat(),
+                            "command": command})
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return table
+
+
 def summary(results: dict) -> list[str]:
     tiles = sorted({t for times in results.values() for t in times},
                    key=lambda t: (t != "heuristic", t))
@@ -269,7 +295,9 @@ def main(argv=None):
                                     f"(default: {','.join(DEFAULT_TILES)})")
     ap.add_argument("--iters", type=int, default=ITERS, help="profiled calls per package")
     ap.add_argument("--out", type=Path, help="every timing as JSON (merged into an existing file)")
-    ap.add_argument("--table", type=Path, help="the fastest candidate per GEMM, as a tile table")
+    ap.add_argument("--table", type=Path,
+                    help="the fastest candidate per GEMM, as a tile table (merged into the file when "
+                         "it exists: aot/gemm_tiles/<arch>.json grows by this model's GEMMs)")
     ap.add_argument("--workdir", type=Path, help="where the packages go (default: a temp dir)")
     args = ap.parse_args(argv)
     try:
@@ -335,10 +363,8 @@ def main(argv=None):
         if args.out:
             args.out.write_text(json.dumps(record, indent=1))
     if args.table:
-        args.table.write_text(json.dumps({
-            "gpu": record["gpu"], "date": datetime.date.today().isoformat(),
-            "command": "python -m grace.tools.tile_sweep " + " ".join(argv),
-            "model": args.model, "entries": best_table(results)}, indent=1))
+        write_table(args.table, best_table(results), args.model, record["gpu"],
+                    "python -m grace.tools.tile_sweep " + " ".join(argv))
     print("\n".join(summary(results)))
 
 
