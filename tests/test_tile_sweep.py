@@ -128,6 +128,24 @@ def test_a_table_grows_by_each_model_swept_and_refuses_another_gpu(tmp_path):
         tile_sweep.write_table(path, [], "vit_s", "NVIDIA H100", "python -m grace.tools.tile_sweep")
 
 
+def test_a_table_from_the_timings_of_a_sweep_cut_short(tmp_path, capsys):
+    out, table = tmp_path / "sweep.json", tmp_path / "tiles.json"
+    out.write_text(json.dumps({"model": "vit_s", "fp32_matmul": "tf32", "gpu": "NVIDIA H200",
+                               "results": {"tf32 197 384 1536": {"heuristic": 150.0,
+                                                                 "64x64x32w4s3k4": 120.0}}}))
+    tile_sweep.main(["--from-out", "--out", str(out), "--table", str(table)])
+    (entry,) = json.loads(table.read_text())["entries"]
+    assert (entry["M"], entry["split"], entry["us"], entry["model"]) == (197, 4, 120.0, "vit_s")
+    assert "120.0*" in capsys.readouterr().out
+    with pytest.raises(SystemExit):   # nothing to build the table from
+        tile_sweep.main(["--from-out", "--out", str(tmp_path / "none.json"), "--table", str(table)])
+
+
+def test_the_default_candidates_parse():
+    assert len({tile_sweep.parse_tile(t) for t in tile_sweep.DEFAULT_TILES}) == \
+        len(tile_sweep.DEFAULT_TILES)
+
+
 def test_table_entries_with_split_are_read(tmp_path, monkeypatch):
     (tmp_path / "sm_90.json").write_text(json.dumps({"entries": [
         {"kind": "tf32", "M": 197, "N": 384, "K": 1536, "bm": 64, "bn": 64, "bk": 32, "warps": 4,

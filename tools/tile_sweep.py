@@ -41,15 +41,17 @@ from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
 
-# Candidates for 128..1024 rows: 32- to 128-row tiles with fewer programs than the heuristic's,
+# Candidates for 128..1024 rows: 32- and 64-row tiles with fewer programs than the heuristic's,
 # narrower N tiles, deeper K steps and pipelines, and split-K for the deep-K projections whose
-# output is too small to fill the chip (ViT-S's N = 384 GEMMs: 24 programs of 64 x 64). A
-# compile of ViT-S takes ~4 s on the GPU machine, so the default list sweeps in minutes.
-DEFAULT_TILES = ("32x32x64w4s3", "32x64x32w4s3", "32x64x64w4s3", "32x64x64w4s4",
-                 "64x32x32w4s3", "64x32x64w4s4", "64x64x32w4s3", "64x64x64w4s3", "64x64x64w4s4",
-                 "64x128x32w4s3", "64x128x64w8s3", "128x64x32w4s3", "128x64x64w8s3",
-                 "128x128x32w8s3", "32x32x64w4s3k2", "32x64x64w4s3k2", "64x32x64w4s3k2",
-                 "64x64x32w4s3k2", "64x64x64w4s3k2", "64x64x32w4s3k4")
+# output is too small to fill the chip (ViT-S's N = 384 GEMMs: 24 programs of 64 x 64). On ViT-S
+# (H200, docs/performance.md, ninth session) split-K by 4 won four of five shapes and no 128-row
+# tile or 64 x 128 won any (they ran 1.3-2.2x slower in all), so the list leans to split-K. A
+# compile of ViT-S takes ~4 s on the GPU machine and its timing process ~8 s: minutes per sweep.
+DEFAULT_TILES = ("32x32x64w4s3", "32x64x64w4s3", "32x64x64w4s4", "64x32x64w4s4", "64x64x32w4s3",
+                 "64x64x64w4s4", "32x32x64w4s3k2", "32x64x64w4s3k2", "32x64x64w4s4k2",
+                 "64x32x64w4s3k2", "64x64x32w4s3k2", "64x64x64w4s3k2", "32x64x64w4s4k4",
+                 "64x32x64w4s4k4", "64x64x32w4s3k4", "64x64x64w4s4k4", "64x64x32w4s3k8",
+                 "64x32x64w4s4k8")
 ITERS = 20
 # a candidate's output against the heuristic's (tf32 dots differ by ~1e-3 in the reduction order)
 MAX_REL_ERROR = 2e-2
@@ -299,7 +301,18 @@ def main(argv=None):
                     help="the fastest candidate per GEMM, as a tile table (merged into the file when "
                          "it exists: aot/gemm_tiles/<arch>.json grows by this model's GEMMs)")
     ap.add_argument("--workdir", type=Path, help="where the packages go (default: a temp dir)")
+    ap.add_argument("--from-out", action="store_true",
+                    help="time nothing: write --table (and the summary) from the timings already in "
+                         "--out, e.g. of a sweep that was cut short")
     args = ap.parse_args(argv)
+    if args.from_out:
+        if not (args.out and args.out.exists() and args.table):
+            ap.error("--from-out needs an existing --out file and a --table to write")
+        record = json.loads(args.out.read_text())
+        write_table(args.table, best_table(record["results"]), record["model"], record["gpu"],
+                    "python -m grace.tools.tile_sweep " + " ".join(argv))
+        print("\n".join(summary(record["results"])))
+        return
     try:
         tiles = [parse_tile(t) for t in (args.tiles.split(",") if args.tiles else DEFAULT_TILES)]
     except ValueError as e:
@@ -341,6 +354,8 @@ def main(argv=None):
             kernel_us, output = time_kernels(path, inputs, args.iters)
         except Exception as e:   # a tile that does not build (shared memory) is skipped
             _log(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            if tile is None:   # without the heuristic's package there is nothing to check against
+                raise SystemExit(f"tile_sweep: the heuristic's package of {args.model} failed: {e}")
             continue
         finally:
             path.unlink(missing_ok=True)
