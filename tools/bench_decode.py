@@ -14,6 +14,8 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
                    edges, docs/design-pdl.md); "full edges" loads the default package with
                    load(pdl=False): the same kernels, every edge a full one
   ... fold         (--fold-ab) the same model compiled with fold_row_stats (aot/fuse_stats.py)
+  ... NAME         (--variant NAME:codegen.GEMV_TILE=2048,...) the same model compiled with
+                   grace.aot constants set for the compile (tools/variants.py), e.g. a GEMV tile
 Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes). The HBM
 fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
 positions up to the current one) / time / 4.3 TB/s (the copy rate measured on the H200).
@@ -27,6 +29,8 @@ import resource
 import sys
 import time
 from pathlib import Path
+
+from grace.tools.variants import applied, parse_variant
 
 COPY_RATE = 4.3e12   # bytes/s, H200 device-to-device copy (design.md §4)
 SHAPES = {
@@ -90,8 +94,7 @@ def _time_tokens(step, tok, pos, steps, repeats, sync):
 
 
 def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),
-        out=None, pdl_ab=True, fold_ab=False) -> dict:
-    import numpy as np
+        out=None, pdl_ab=True, fold_ab=False, variants=()) -> dict:
     import torch
     from torch.export import Dim
 
@@ -229,6 +232,16 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         res["grace_graphs fold"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                                     for g in fold.manifest["graphs"]]
         fold.close()
+    for variant in variants:   # tools/variants.py: compiler constants set for one compile
+        with applied(variant):
+            vpath = compile_grace(f"-{variant.name}")
+        vpkg = load(vpath, instantiate="eager")
+        measure_grace(vpkg, f" {variant.name}")
+        res.setdefault("variants", {})[variant.name] = {
+            "settings": variant.describe(),
+            "graphs": [{"name": g["name"], "kernels": g["stats"]["kernels"]}
+                       for g in vpkg.manifest["graphs"]]}
+        vpkg.close()
     res["hbm_fraction"] = {k: need / (v * 1e-3) / COPY_RATE for k, v in res["ms_per_token"].items()}
     res["grace_graphs"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                            for g in pkg.manifest["graphs"]]
@@ -267,9 +280,18 @@ def main(argv=None):
     ap.add_argument("--fold-ab", action="store_true",
                     help="also time the model compiled with fold_row_stats (RMSNorm statistics reduced "
                          "inside the GEMVs: aot/fuse_stats.py)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:module.CONSTANT=VALUE,...",
+                    help="also time the model compiled with these grace.aot constants (tools/variants.py), "
+                         "e.g. gemv2x1024:codegen.GEMV_TILE=2048; repeatable")
     a = ap.parse_args(argv)
+    try:
+        variants = [parse_variant(v) for v in a.variant]
+    except ValueError as e:
+        ap.error(str(e))
+    if len({v.name for v in variants}) != len(variants):
+        ap.error("two variants have the same name")
     res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out, not a.no_pdl_ab,
-              a.fold_ab)
+              a.fold_ab, variants)
     print(format_table(res))
 
 

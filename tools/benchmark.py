@@ -55,6 +55,8 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from grace.tools.variants import applied, parse_variant
+
 # the dynamic workload: HF BERT-base, batch 1, sequence length 1..MAX_SEQ
 BERT_BASE = dict(layers=12, hidden=768, heads=12, vocab=30522, max_pos=512)
 MIN_SEQ, MAX_SEQ = 1, 512
@@ -205,7 +207,8 @@ def rel_err(got, ref) -> float:
 
 
 def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("tf32x3",),
-                pdl_ab: bool = False, backend_ab: bool = False, tiles_ab: bool = False) -> dict:
+                pdl_ab: bool = False, backend_ab: bool = False, tiles_ab: bool = False,
+                variants=()) -> dict:
     import torch
 
     model, make_input = make()
@@ -237,6 +240,12 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("
     if tiles_ab:   # the tile heuristic for every GEMM ('grace' takes aot/gemm_tiles/'s table)
         _bench_grace(result, "grace[no-gemm-tiles]", model, x, workdir / f"{name}-no-tiles.grace",
                      precisions[0], iters, repeats, warmup, gemm_tiles=False)
+    for variant in variants:   # compiler constants set for one compile (tools/variants.py)
+        with applied(variant):
+            _bench_grace(result, f"grace[{variant.name}]", model, x,
+                         workdir / f"{name}-{variant.name}.grace", precisions[0], iters, repeats,
+                         warmup)
+        result["notes"][f"grace[{variant.name}]_settings"] = variant.describe()
     if backend_ab:   # the same pipeline behind torch.compile (aot/backend.py)
         _bench_backend(result, model, x, precisions[0], iters, repeats, warmup)
     result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
@@ -736,6 +745,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend-ab", action="store_true",
                     help=f"also time {BACKEND}: torch.compile(model, backend=\"grace\"), grace's "
                          "pipeline behind Dynamo (static and dynamic workloads)")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:module.CONSTANT=VALUE,...",
+                    help="static workloads: also time grace[NAME], the model compiled with these grace.aot "
+                         "constants (tools/variants.py), e.g. attn8:codegen.ATTN_SPLIT_PROGRAMS_PER_SM=8; "
+                         "repeatable")
     dyn = ap.add_argument_group("dynamic workload (bert_base_dyn)")
     dyn.add_argument("--buckets", action="append", default=[], metavar="seq=B1,B2,...",
                      help="grace's bucket bounds for the sequence symbol 'seq' (as `grace compile "
@@ -770,6 +783,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(str(e))
     if args.stream_calls < 1:
         ap.error("--stream-calls must be >= 1")
+    try:
+        args.variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        ap.error(str(e))
+    if len({v.name for v in args.variants}) != len(args.variants):
+        ap.error("--variant: two variants have the same name")
     args.lengths = args.dyn_lengths
     args.precision = args.fp32_matmul.split(",")[0]
     return args
@@ -808,7 +827,7 @@ def main(argv=None):
             results.append(bench_model(name, available[name], args.iters, args.repeats,
                                        args.warmup, Path(tmp),
                                        tuple(args.fp32_matmul.split(",")), args.pdl_ab,
-                                       args.backend_ab, args.tiles_ab))
+                                       args.backend_ab, args.tiles_ab, args.variants))
             save()
         for name in args.dynamic:
             dynamic.append(bench_dynamic(name, args, Path(tmp), checkpoint=save))
