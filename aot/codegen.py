@@ -771,6 +771,9 @@ def attention(kernel: Kernel, w: Writer):
                zero="zero_q")
     q = ExprEmitter(w).value(p.q, qctx)
     w.emit(f"q = {_masked(q, mask_q)}.to({tl_dot})")
+    appended = p.new_pos is not None
+    if appended:   # this call's key and value at one position, once per program (fuse_append)
+        _appended_key_value(w, p, bd, bdv, tl_dot)
     w.emit(f"m_i = tl.full([{bm}], -float(\"inf\"), tl.float32)")
     w.emit(f"l_i = tl.zeros([{bm}], tl.float32)")
     w.emit(f"acc = tl.zeros([{bm}, {bdv}], tl.float32)")
@@ -823,6 +826,8 @@ def attention(kernel: Kernel, w: Writer):
                zero="zero_k")
     kt = ExprEmitter(w).value(p.k, kctx)
     w.emit(f"kt = {_masked(kt, mask_k)}.to({tl_dot})")
+    if appended:
+        w.emit("kt = tl.where(rn[None, :] == new_pos, k_new[:, None], kt)")
     w.emit(f"s = tl.dot(q, kt{prec}) * {p.scale!r}")
     w.emit(f"valid = (rn[None, :] < {lk}) & (rm[:, None] >= 0)")
     _and_into(w, "valid", kvalid)
@@ -843,6 +848,8 @@ def attention(kernel: Kernel, w: Writer):
                zero="zero_v")
     v = ExprEmitter(w).value(p.v, vctx)
     w.emit(f"v = {_masked(v, mask_v)}.to({tl_dot})")
+    if appended:
+        w.emit("v = tl.where(rn[:, None] == new_pos, v_new[None, :], v)")
     w.emit(f"acc = acc * alpha[:, None] + tl.dot(pr.to({tl_dot}), v{prec})")
     w.emit("m_i = m_new")
     w.indent -= 1 + bool(skips) + bool(masked_block)
@@ -859,6 +866,22 @@ def attention(kernel: Kernel, w: Writer):
     value = ExprEmitter(w, acc="o").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bm}, {bdv}]")
     return (cdiv(lq, bm), b * h, 1), 4, 2
+
+
+def _appended_key_value(w: Writer, p, bd: int, bdv: int, tl_dot: str):
+    """`new_pos`, `k_new` [bd] and `v_new` [bdv] of an attention that takes this call's key and
+    value at one position from its spec rather than from the cache (aot/fuse_append.py). They
+    do not depend on the key index: evaluated at key 0, once per program."""
+    shape_k, shape_v = (p.b, p.h, p.lk, p.d), (p.b, p.h, p.lk, p.dv)
+    pos = ExprEmitter(w).value(p.new_pos, Ctx(w, shape_k, ["ib", "ih", "0", "0"]))
+    w.emit(f"new_pos = {pos}")
+    for name, expr, shape, block, size, lane in (("k_new", p.k_new, shape_k, bd, p.d, "rd"),
+                                                ("v_new", p.v_new, shape_v, bdv, p.dv, "rdv")):
+        mask = "None" if size == block else f"({lane} < {size})"
+        w.emit(f"zero_{name} = tl.zeros([{block}], tl.int32)")
+        ctx = Ctx(w, shape, ["ib", "ih", "0", lane], mask=mask, zero=f"zero_{name}")
+        value = ExprEmitter(w).value(expr, ctx)
+        w.emit(f"{name} = {_masked(value, mask)}.to({tl_dot})")
 
 
 @dataclass(frozen=True)

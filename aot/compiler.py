@@ -29,7 +29,7 @@ import torch
 
 from grace.formats import archs as arch_rules
 
-from . import (build, codegen, dump, export, extents, fuse, fuse_stats, gemm_tiles, generation, lower, manifest, memplan,
+from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_stats, gemm_tiles, generation, lower, manifest, memplan,
                verify_ir, versions)
 from .check import relocate
 
@@ -360,10 +360,13 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
 
 def _fuse(b: BucketState, st: CompileState) -> BucketState:
     """fuse: epilogue fusion (and, with fold_row_stats, one-row statistics into the GEMVs that
-    read them), then the kernels with nothing to do dropped."""
+    read them; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention),
+    then the kernels with nothing to do dropped."""
     kernels = fuse.fuse_epilogues(b.program.kernels)
     if st.options.fold_row_stats:
         kernels = fuse_stats.fold_row_stats(kernels)
+    if fuse_append.APPEND_AFTER_ATTENTION:   # experimental: a decode step's cache appends
+        kernels = fuse_append.append_after_attention(kernels)
     b.kernels = memplan.drop_empty(kernels)
     return b
 

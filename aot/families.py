@@ -229,13 +229,25 @@ class Attention(Spec):
     lk_ext: tuple | None
     plan: AttentionPlan
     mask: Expr | None = None
+    # A key and value appended at one position in this call (aot/fuse_append.py): at key index
+    # `new_pos` the template takes `k_new` / `v_new` instead of what `k` / `v` read there, so the
+    # kernels that write them into the cache can run after this one. Each is evaluated once per
+    # program, at key index 0 (they do not depend on it).
+    k_new: Expr | None = None
+    v_new: Expr | None = None
+    new_pos: Expr | None = None
 
     def index_spaces(self, out_shape):
         b, h, lq, lk = self.b, self.h, self.lq, self.lk
         return {"q": (b, h, lq, self.d), "k": (b, h, lk, self.d), "v": (b, h, lk, self.dv),
-                "mask": (b, h, lq, lk)}
+                "mask": (b, h, lq, lk), "k_new": (b, h, lk, self.d), "v_new": (b, h, lk, self.dv),
+                "new_pos": (b, h, lk, self.d)}
 
     def shape_problems(self, out_shape):
+        given = [f for f in ("k_new", "v_new", "new_pos") if getattr(self, f) is not None]
+        if given and len(given) != 3:
+            return [f"an appended key and value needs k_new, v_new and new_pos, not only "
+                    f"{', '.join(given)}"]
         return _bhld_problems(self, out_shape)
 
     def out_elements(self, out_shape):

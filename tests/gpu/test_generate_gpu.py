@@ -105,3 +105,33 @@ def test_bf16_logits_close_to_fp32(tmp_path):
     assert _rel(got, ref) < 2e-2
     tokens = sess.generate(prompt.numpy(), 8)
     assert len(tokens) == 8 and ((0 <= tokens) & (tokens < 512)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_appends_after_attention_change_no_value(tmp_path, dtype):
+    """aot/fuse_append.py (experimental, off by default): with the KV-cache appends moved after
+    the attention, prefill and decode logits equal the default package's bit for bit (the
+    attention reads the very values the appends store), and generate() gives the same tokens."""
+    from grace.tools.variants import applied, parse_variant
+
+    model = _model(dtype)
+    kw = {"fp32_matmul": "ieee"} if dtype == torch.float32 else {}
+    with applied(parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True")):
+        moved = load(_compile(model, tmp_path / "moved.grace", **kw))
+    plain = load(_compile(model, tmp_path / "plain.grace", **kw))
+    prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for pkg in (moved, plain):
+        sess = pkg.session(poison=True)
+        logits = [torch.from_dlpack(sess.run(idx=prompt[None, :37].numpy(),
+                                             input_pos=np.arange(37))["out"]).float().cpu()]
+        for p in range(37, 40):
+            logits.append(torch.from_dlpack(sess.run(idx=prompt[None, p:p + 1].numpy(),
+                                                     input_pos=np.array([p]))["out"]).float().cpu())
+        outs.append((logits, sess.generate(prompt.numpy(), NEW).tolist()))
+    (got, got_tokens), (want, want_tokens) = outs
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert got_tokens == want_tokens
+    if dtype == torch.float32:
+        assert got_tokens == model.greedy(prompt, NEW)

@@ -1,0 +1,128 @@
+"""aot/fuse_append.py (experimental, off by default): a decode step's KV-cache appends after the
+attention, which takes this token's key and value from the appends' expressions. Checked through
+the CPU reference executor against eager and against the same model compiled without the pass
+(which it must match bit for bit: the attention reads the very values the appends store)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+from torch.export import Dim  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.aot import fuse_append  # noqa: E402
+from grace.formats import races, read_package  # noqa: E402
+from grace.tools.interpret import InterpretSession  # noqa: E402
+from grace.tools.models import CachedLlama  # noqa: E402
+from grace.tools.variants import applied, parse_variant  # noqa: E402
+
+ON = parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True")
+MAX_SEQ = 32
+
+
+def _model(n_heads=4, n_kv_heads=2):
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=64, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                        hidden=96, max_seq=MAX_SEQ).eval()
+    return model
+
+
+def _compile(model, path, on: bool, **options):
+    t = Dim("seq", min=1, max=MAX_SEQ)
+    with applied(ON if on else None):
+        return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                             output=path, progress=False, fp32_matmul="ieee",
+                             dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                             buckets={"seq": [1, MAX_SEQ]}, **options)
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    """Compiled once per module: (heads, kv_heads, on) -> (model, path); generate= on all, so
+    the same packages serve run() and generate()."""
+    folder, made = tmp_path_factory.mktemp("append"), {}
+
+    def get(heads, kv_heads, on):
+        key = (heads, kv_heads, on)
+        if key not in made:
+            model = _model(heads, kv_heads)
+            path = _compile(model, folder / f"{heads}-{kv_heads}-{on}.grace", on,
+                            generate={"tokens": "idx", "positions": "input_pos"})
+            made[key] = model, path
+        return made[key]
+    return get
+
+
+def _families(path, graph="seq=1"):
+    m = read_package(path).manifest
+    g = next(g for g in m["graphs"] if g["name"] == graph)
+    return [m["kernels"][n["kernel"]]["family"] for n in g["nodes"] if "kernel" in n]
+
+
+def _decode(path, idx, prompt=6, steps=3):
+    sess = InterpretSession(path)
+    out = [sess.run({"idx": idx[:, :prompt].numpy(), "input_pos": np.arange(prompt)})["out"]]
+    for p in range(prompt, prompt + steps):
+        out.append(sess.run({"idx": idx[:, p:p + 1].numpy(), "input_pos": np.array([p])})["out"])
+    return out
+
+
+def _eager(model, idx, prompt=6, steps=3):
+    with torch.no_grad():
+        model.reset_cache()
+        ref = [model(idx[:, :prompt], torch.arange(prompt)).numpy()]
+        for p in range(prompt, prompt + steps):
+            ref.append(model(idx[:, p:p + 1], torch.tensor([p])).numpy())
+    return ref
+
+
+def test_off_by_default(packages):
+    assert fuse_append.APPEND_AFTER_ATTENTION is False
+    fams = _families(packages(4, 2, False)[1])
+    assert fams[:fams.index("attention")].count("scatter") == 2
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])   # grouped-query and plain
+def test_appends_follow_the_attention_and_the_decode_is_unchanged(packages, heads, kv_heads):
+    model, on = packages(heads, kv_heads, True)
+    off = packages(heads, kv_heads, False)[1]
+    fams = _families(on)
+    assert fams.count("attention") == 2 and fams.count("scatter") == 4
+    # the race proof (grace verify) holds: every append is ordered after the attention reading
+    # its cache, and no kernel reads a weight-free buffer before its gdc_wait
+    package = read_package(on)
+    assert races.check_races(package.manifest) == [] and races.check_pre_wait(package) == []
+    for i, f in enumerate(fams):
+        if f == "attention":   # each layer: attention, then its two appends, then the combine
+            assert fams[i + 1:i + 3] == ["scatter", "scatter"], fams
+    # the prefill graph (seq=32: 32 positions per append) keeps its order
+    prefill = _families(on, "seq=32")
+    assert prefill[:prefill.index("attention")].count("scatter") == 2
+    idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    got, want = _decode(on, idx), _decode(off, idx)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)   # the same values, in the same order
+    for g, r in zip(got, _eager(model, idx)):
+        err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
+        assert err < 1e-5, err
+
+
+def test_a_position_at_the_end_of_the_cache(packages):
+    """The last slots of the cache: the appended key is the last key of the last split."""
+    on, off = packages(4, 2, True)[1], packages(4, 2, False)[1]
+    idx = torch.randint(0, 96, (1, MAX_SEQ), generator=torch.Generator().manual_seed(2))
+    got = _decode(on, idx, prompt=MAX_SEQ - 2, steps=2)
+    want = _decode(off, idx, prompt=MAX_SEQ - 2, steps=2)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_generate_with_the_appends_moved(packages):
+    """generate(): the decode loop's body is the seq=1 graph; its tokens match eager greedy."""
+    from grace.tools.interpret import generate_package
+
+    model, path = packages(4, 2, True)
+    prompt = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(3))
+    assert generate_package(path, prompt.numpy(), 6).tolist() == model.greedy(prompt, 6)
