@@ -1,5 +1,5 @@
-"""Stage `fuse`, third pass (experimental, off: `APPEND_AFTER_ATTENTION`): a decode step's KV-cache
-appends leave the attention's critical path.
+"""Stage `fuse`, third pass (off: `APPEND_AFTER_ATTENTION`, it measured slower): a decode step's
+KV-cache appends leave the attention's critical path.
 
 A decode step writes this token's key and value into the caches (two scatter kernels, after the
 QKV projection) and then attends over the caches, so every layer runs QKV -> appends ->
@@ -20,8 +20,12 @@ attention reads the caches only through `k` and `v`; the kernels between an appe
 attention neither touch the caches nor write what the appends read, and the attention does not
 write it either. Static shapes only (a decode step's graph: `seq=1`).
 
-Off by default until it is measured on the GPU (time it with `--variant
-append:fuse_append.APPEND_AFTER_ATTENTION=True` of tools/bench_decode.py).
+Measured slower, hence off. In the Llama-1B decode graph on the H200, with the pass, a token took
+0.992 ms against 0.972 ms without it (two interleaved rounds; docs/performance.md, ninth
+session). The GPU test that it changes no value passes, in fp32 and bf16. A likely cause is the
+appended key and value: they are dependent loads after gdc_wait in each of the attention's
+programs. To time it again: `--variant append:fuse_append.APPEND_AFTER_ATTENTION=True` of
+tools/bench_decode.py.
 """
 from __future__ import annotations
 

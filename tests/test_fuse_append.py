@@ -1,4 +1,4 @@
-"""aot/fuse_append.py (experimental, off by default): a decode step's KV-cache appends after the
+"""aot/fuse_append.py (off by default: it measured slower): a decode step's KV-cache appends after the
 attention, which takes this token's key and value from the appends' expressions. Checked through
 the CPU reference executor against eager and against the same model compiled without the pass
 (which it must match bit for bit: the attention reads the very values the appends store)."""

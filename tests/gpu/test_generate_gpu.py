@@ -109,7 +109,7 @@ def test_bf16_logits_close_to_fp32(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_appends_after_attention_change_no_value(tmp_path, dtype):
-    """aot/fuse_append.py (experimental, off by default): with the KV-cache appends moved after
+    """aot/fuse_append.py (off by default: it measured slower): with the KV-cache appends moved after
     the attention, prefill and decode logits equal the default package's bit for bit (the
     attention reads the very values the appends store), and generate() gives the same tokens."""
     from grace.tools.variants import applied, parse_variant
