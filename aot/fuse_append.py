@@ -43,8 +43,7 @@ def _whole_read(expr, shape):
     whose key map is the identity and whose other maps ignore the key index (grouped-query
     attention's head map) — else None. `maps` then evaluate the cache's index from the
     attention's."""
-    maps = [DimMap("dim", d) for d in range(4)]
-    inner = expr
+    maps, inner = None, expr
     if isinstance(expr, Reindex):
         if expr.bounds is not None or len(expr.maps) != 4:
             return None
@@ -67,6 +66,10 @@ def _whole_read(expr, shape):
         return None
     if buf.shape[2] != shape[2] or buf.shape[3] != shape[3]:
         return None
+    if maps is None:   # a plain load: the attention's index is the cache's
+        if tuple(buf.shape) != tuple(shape):
+            return None
+        maps = [DimMap("dim", d) for d in range(4)]
     return buf, maps
 
 

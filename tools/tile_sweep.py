@@ -24,7 +24,8 @@ Output: `--out` every timing per GEMM and candidate (merged into the file when i
 long sweep can be split over runs with `--tiles`); `--table` the fastest candidate per GEMM in the
 format of aot/gemm_tiles/<arch>.json (with `split`), merged into that file when it exists (an
 entry of the same shape replaced), so `--table aot/gemm_tiles/sm_90.json` extends the table the
-compiler reads by default with another model's GEMMs. The table is per GPU: run this on the GPU it is for. Times are per call, summed over
+compiler reads by default with another model's GEMMs; `--from-out` writes the table from a sweep
+cut short. The table is per GPU: run this on the GPU it is for. Times are per call, summed over
 the model's instances of a GEMM shape (ViT-S runs each of its four shapes 12 times).
 """
 from __future__ import annotations
@@ -160,10 +161,10 @@ def time_kernels(path: Path, inputs: Path, iters: int = ITERS) -> tuple[dict, ob
     """({kernel name: µs per call}, the first output) of one package on the GPU, by CUPTI, its
     edges built full (the kernels' spans do not overlap).
 
-    Each package is timed in a process of its own: CUPTI names a kernel by what it saw first at
-    its function's address, and a package loaded after another one was closed reuses addresses,
-    so in one process a later candidate's kernels were reported under an earlier one's names
-    (the first GPU run of this tool credited five GEMMs with 0 µs)."""
+    Each package is timed in a process of its own: when every candidate was loaded, profiled and
+    closed in one process, later packages' kernels were reported under names that were not
+    theirs (most likely CUPTI's record of an earlier package's functions at reused addresses),
+    and the first GPU run of this tool credited five GEMMs with 0 µs."""
     import numpy as np
 
     with tempfile.TemporaryDirectory(prefix="tile_sweep-time-") as tmp:
