@@ -346,6 +346,26 @@ def test_compile_without_buckets_leaves_the_default(mlp_pt2, tmp_path, monkeypat
     assert seen.get("buckets") is None
 
 
+@pytest.mark.parametrize("flags, passed", [([], None), (["--gemm-tiles"], None),
+                                           (["--no-gemm-tiles"], False)])
+def test_compile_gemm_tiles_is_on_unless_turned_off(mlp_pt2, tmp_path, monkeypatch, flags, passed):
+    """The measured tile table is the compiler's default: the CLI passes gemm_tiles only to turn
+    it off (--no-gemm-tiles)."""
+    import grace.aot
+    from grace.tools import cli
+
+    seen = {}
+
+    def fake_compile(program, *a, output, **kw):
+        seen.update(kw)
+        output.write_bytes(b"")
+        return output
+
+    monkeypatch.setattr(grace.aot, "compile", fake_compile)
+    assert cli.main(["compile", str(mlp_pt2), "-o", str(tmp_path / "m.grace"), *flags]) == 0
+    assert seen.get("gemm_tiles") is passed
+
+
 @pytest.fixture
 def dyn_mlp_pt2(tmp_path):
     torch = pytest.importorskip("torch")
