@@ -329,10 +329,10 @@ def test_compile_passes_buckets_and_maps_compiler_errors(mlp_pt2, tmp_path, monk
     assert "'nope'" in err
 
 
-def test_compile_without_buckets_leaves_the_default(mlp_pt2, tmp_path, monkeypatch):
-    """No --buckets: the compiler gets no buckets, so it picks its default (powers of two)."""
+@pytest.fixture
+def compile_kwargs(monkeypatch):
+    """grace.aot.compile stubbed: the keyword arguments the CLI passes it land in this dict."""
     import grace.aot
-    from grace.tools import cli
 
     seen = {}
 
@@ -342,28 +342,27 @@ def test_compile_without_buckets_leaves_the_default(mlp_pt2, tmp_path, monkeypat
         return output
 
     monkeypatch.setattr(grace.aot, "compile", fake_compile)
+    return seen
+
+
+def test_compile_without_buckets_leaves_the_default(mlp_pt2, tmp_path, compile_kwargs):
+    """No --buckets: the compiler gets no buckets, so it picks its default (powers of two)."""
+    from grace.tools import cli
+
     assert cli.main(["compile", str(mlp_pt2), "-o", str(tmp_path / "m.grace")]) == 0
-    assert seen.get("buckets") is None
+    assert compile_kwargs.get("buckets") is None
 
 
 @pytest.mark.parametrize("flags, passed", [([], None), (["--gemm-tiles"], None),
                                            (["--no-gemm-tiles"], False)])
-def test_compile_gemm_tiles_is_on_unless_turned_off(mlp_pt2, tmp_path, monkeypatch, flags, passed):
+def test_compile_gemm_tiles_is_on_unless_turned_off(mlp_pt2, tmp_path, compile_kwargs, flags,
+                                                    passed):
     """The measured tile table is the compiler's default: the CLI passes gemm_tiles only to turn
     it off (--no-gemm-tiles)."""
-    import grace.aot
     from grace.tools import cli
 
-    seen = {}
-
-    def fake_compile(program, *a, output, **kw):
-        seen.update(kw)
-        output.write_bytes(b"")
-        return output
-
-    monkeypatch.setattr(grace.aot, "compile", fake_compile)
     assert cli.main(["compile", str(mlp_pt2), "-o", str(tmp_path / "m.grace"), *flags]) == 0
-    assert seen.get("gemm_tiles") is passed
+    assert compile_kwargs.get("gemm_tiles") is passed
 
 
 @pytest.fixture
