@@ -114,13 +114,95 @@ def run(shapes=SHAPES, out=None) -> dict:
     return results
 
 
+ROW_KIND = {  # the row operand each decode GEMV reads in a Llama graph
+    "1b.qkv": "rms", "1b.o": "plain", "1b.gate_up": "rms", "1b.down": "swiglu", "1b.head": "rms",
+    "8b.qkv": "rms", "8b.o": "plain", "8b.gate_up": "rms", "8b.down": "swiglu", "8b.head": "rms",
+}
+ROW_TILES = [(bn, bk, ahead) for bn, bk in ((2, 1024), (4, 1024)) for ahead in (0, 1, 2)] + \
+    [(bn, bk, ahead) for bn, bk in ((4, 512), (8, 512), (16, 256)) for ahead in (1, 2)]
+PERSISTENT = [(2, g, warps, "prefetch") for g in (4, 8, 16) for warps in (4, 8)]
+
+
+def run_rows(shapes, out=None) -> dict:
+    """Codegen's GEMV template against a persistent GEMV, both with the row a decode graph gives
+    them (ROW_KIND), each configuration timed as a chain in a CUDA graph over rotating copies."""
+    import torch
+    from grace.tools.gemv_row_kernels import gemv_persistent, gemv_row
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kinds = {"plain": 0, "rms": 1, "swiglu": 2}
+    results = {"rows": {}, "check": {}}
+    for name, (n, k) in shapes.items():
+        kind = ROW_KIND[name]
+        nbytes = n * k * 2
+        copies = max(2, min(64, -(-ROTATE_BYTES // nbytes)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(2 * k, device="cuda", dtype=torch.bfloat16)
+        g = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        s = (x[:k].float() ** 2).sum().view(1)
+        y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        xd = x.double()
+        if kind == "plain":
+            r = xd[:k]
+        elif kind == "rms":
+            r = xd[:k] * torch.rsqrt(s.double() / k + 1e-5) * g.double()
+        else:
+            r = torch.nn.functional.silu(xd[:k]) * xd[k:]
+        ref = ws[0].double() @ r
+        per = {}
+
+        def check_and_time(key, launch):
+            y.fill_(float("nan"))
+            launch(0)
+            torch.cuda.synchronize()
+            err = float((y.double() - ref).norm() / ref.norm())
+            if not err < 2e-2:
+                results["check"][f"{name}/{key}"] = err
+                return
+            per[key] = _time_chain(launch, copies)
+
+        for bn, bk, ahead in ROW_TILES:
+            if n % bn or k % bk:
+                continue
+
+            def launch(i, bn=bn, bk=bk, ahead=ahead):
+                gemv_row[(n // bn,)](ws[i], x, g, s, y, k, bn, bk, kinds[kind], ahead,
+                                     num_warps=4, num_stages=1)
+            check_and_time(f"{bn}x{bk}/w4/s1" + (f" ahead {ahead}" if ahead else ""), launch)
+        if k <= 4096:
+            for bn, occ, warps, mode in PERSISTENT:
+                grid = min(n // bn, occ * sms)
+
+                def launch(i, bn=bn, grid=grid, warps=warps, mode=mode):
+                    gemv_persistent[(grid,)](ws[i], x, g, s, y, n, k, bn, kinds[kind],
+                                             mode == "prefetch", num_warps=warps,
+                                             num_stages=3 if mode == "s3" else 1)
+                check_and_time(f"persistent {bn}x{k} grid {occ}/SM w{warps} {mode}", launch)
+        results["rows"][name] = per
+        del ws
+        torch.cuda.empty_cache()
+        best = sorted(per.items(), key=lambda kv: kv[1])[:3]
+        cur = per.get("4x1024/w4/s1")
+        print(f"{name:12s} {kind:6s} N={n:6d} K={k:5d} now(4x1024) "
+              f"{(f'{cur:6.2f} us {nbytes / cur / 1e6:4.2f}' if cur else '   -')} | "
+              + "  ".join(f"{c} {t:.2f} us {nbytes / t / 1e6:.2f}" for c, t in best), flush=True)
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1))
+    return results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write every timing to this JSON file")
     ap.add_argument("--shapes", help="comma-separated subset of: " + ",".join(SHAPES))
+    ap.add_argument("--rows", action="store_true",
+                    help="time codegen's GEMV template and a persistent GEMV with the row a decode "
+                         "graph gives each shape (an RMSNorm or SwiGLU expression, ROW_KIND)")
     args = ap.parse_args(argv)
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")} if args.shapes else SHAPES
-    run(shapes, args.out)
+    if args.rows:
+        run_rows({s: v for s, v in shapes.items() if s in ROW_KIND}, args.out)
+    else:
+        run(shapes, args.out)
 
 
 if __name__ == "__main__":
