@@ -222,3 +222,21 @@ def test_torch_counts_sees_compiles_and_restores_the_patch():
     assert first.result["cudagraph_recordings"] == 0 and first.result["cudagraph_warmups"] == 0
     assert (cudagraph_trees.CUDAGraphTreeManager.record_function,
             cudagraph_trees.CUDAGraphTreeManager.run_eager) == originals
+
+
+# ---- tools/bench_decode.py's table ---------------------------------------------------------------
+
+
+def test_decode_table_without_reduce_overhead_says_so_and_prints_no_ratio():
+    from grace.tools import bench_decode as D
+    res = {"shape": "8b", "max_seq": 2048, "pos": 1000, "bytes_per_token": 16e9, "steps": 64,
+           "ms_per_token": {"eager": 16.6, "grace": 4.6}, "hbm_fraction": {"eager": 0.2, "grace": 0.7},
+           "errors": {}, "skipped": ["reduce-overhead: --no-reduce-overhead"]}
+    table = D.format_table(res)
+    assert "skipped reduce-overhead: --no-reduce-overhead" in table
+    grace_row = next(line for line in table.splitlines() if line.startswith("grace"))
+    assert grace_row.split()[1] == "4.600" and grace_row.split()[-1] == "-"
+    res["ms_per_token"]["reduce-overhead"] = 4.6 * 2
+    res["hbm_fraction"]["reduce-overhead"] = 0.35
+    grace_row = next(line for line in D.format_table(res).splitlines() if line.startswith("grace"))
+    assert grace_row.split()[-1] == "0.50"

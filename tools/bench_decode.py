@@ -79,6 +79,16 @@ def bytes_per_token(model, pos: int) -> int:
     return weights + kv
 
 
+class _Skipped(Exception):
+    pass
+
+
+def _drop(path: Path):
+    """A measured A/B package goes once timed: an 8B package is 16 GB and the benchmark compiles
+    one per variant (the GPU machine's disk holds four)."""
+    path.unlink(missing_ok=True)
+
+
 def _time_tokens(step, tok, pos, steps, repeats, sync):
     """Best of `repeats` passes of `steps` decode steps: ms per token."""
     best = float("inf")
@@ -94,7 +104,7 @@ def _time_tokens(step, tok, pos, steps, repeats, sync):
 
 
 def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),
-        out=None, pdl_ab=True, fold_ab=False, variants=()) -> dict:
+        out=None, pdl_ab=True, fold_ab=False, variants=(), reduce_overhead=True) -> dict:
     import torch
     from torch.export import Dim
 
@@ -167,6 +177,8 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
 
     # reduce-overhead, gpt-fast's way
     try:
+        if not reduce_overhead:
+            raise _Skipped("--no-reduce-overhead")
         compiled = torch.compile(eager_step, mode="reduce-overhead", fullgraph=True)
         tok, p = prefill_eager()
         for _ in range(3):
@@ -174,6 +186,8 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         tok, p = prefill_eager()
         res["ms_per_token"]["reduce-overhead"] = _time_tokens(compiled, tok, p, steps, repeats, sync)
         _log(f"reduce-overhead {res['ms_per_token']['reduce-overhead']:.3f} ms/token")
+    except _Skipped as e:
+        res["skipped"] = [f"reduce-overhead: {e}"]
     except Exception as e:  # recorded, the others still run
         res["errors"]["reduce-overhead"] = f"{type(e).__name__}: {e}"[:2000]
 
@@ -221,17 +235,19 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         full = load(path, instantiate="eager", pdl=False)
         measure_grace(full, " full edges")
         full.close()
-        plain = load(compile_grace("-no-pdl", pdl=False), instantiate="eager")
+        plain = load(plain_path := compile_grace("-no-pdl", pdl=False), instantiate="eager")
         measure_grace(plain, " no PDL")
         plain.close()
+        _drop(plain_path)
     if fold_ab:
         # the same model compiled with fold_row_stats (aot/fuse_stats.py): RMSNorm statistics
         # reduced inside the GEMVs that read them
-        fold = load(compile_grace("-fold", fold_row_stats=True), instantiate="eager")
+        fold = load(fold_path := compile_grace("-fold", fold_row_stats=True), instantiate="eager")
         measure_grace(fold, " fold")
         res["grace_graphs fold"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                                     for g in fold.manifest["graphs"]]
         fold.close()
+        _drop(fold_path)
     for variant in variants:   # tools/variants.py: compiler constants set for one compile
         with applied(variant):
             vpath = compile_grace(f"-{variant.name}")
@@ -242,6 +258,7 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
             "graphs": [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                        for g in vpkg.manifest["graphs"]]}
         vpkg.close()
+        _drop(vpath)
     res["hbm_fraction"] = {k: need / (v * 1e-3) / COPY_RATE for k, v in res["ms_per_token"].items()}
     res["grace_graphs"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                            for g in pkg.manifest["graphs"]]
@@ -263,6 +280,7 @@ def format_table(res) -> str:
                  f"compile {res.get('grace_compile_s', 0):.0f} s, load {res.get('grace_load_s', 0):.2f} s")
     for k, e in res["errors"].items():
         lines.append(f"error {k}: {e[:200]}")
+    lines += [f"skipped {s}" for s in res.get("skipped", [])]
     return "\n".join(lines)
 
 
@@ -280,6 +298,9 @@ def main(argv=None):
     ap.add_argument("--fold-ab", action="store_true",
                     help="also time the model compiled with fold_row_stats (RMSNorm statistics reduced "
                          "inside the GEMVs: aot/fuse_stats.py)")
+    ap.add_argument("--no-reduce-overhead", action="store_true",
+                    help="skip torch.compile's reduce-overhead contender (minutes of compile on 8B): "
+                         "for A/B runs between grace variants, not for recorded comparisons")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:module.CONSTANT=VALUE,...",
                     help="also time the model compiled with these grace.aot constants (tools/variants.py), "
                          "e.g. gemv2x1024:codegen.GEMV_TILE=2048; repeatable")
@@ -291,7 +312,7 @@ def main(argv=None):
     if len({v.name for v in variants}) != len(variants):
         ap.error("two variants have the same name")
     res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out, not a.no_pdl_ab,
-              a.fold_ab, variants)
+              a.fold_ab, variants, not a.no_reduce_overhead)
     print(format_table(res))
 
 
