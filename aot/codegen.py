@@ -411,7 +411,7 @@ def matmul(kernel: Kernel, w: Writer):
     m, n, k, batch = spec.m, spec.n, spec.k, spec.batch
     plan = spec.plan
     if plan.gemv:
-        return _gemv(kernel, w, plan)
+        return _gemv_persistent(kernel, w, plan) if plan.programs else _gemv(kernel, w, plan)
     bm, bn, bk, split = plan.bm, plan.bn, plan.bk, plan.split
     dot_t = _dot_dtype(spec.a, spec.b)
     prec = ""
@@ -517,7 +517,11 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     weights through a [bn, bk] fp32 accumulator, reduced once after the K loop. No tensor cores
     (a 1-row MMA tile wastes 15/16 of them) and no split-K (a program per `bn` output columns
     gives enough programs, and no second kernel to sum partials): on the H200 this beat cuBLAS
-    on every Llama decode shape (docs/gemv-sweep-2026-12-01.json)."""
+    on every Llama decode shape (docs/gemv-sweep-2026-12-01.json).
+
+    `plan.ahead`: each K step loads the next step's weight tile before it sums its own, so a
+    program with many K steps (a down projection's long K) keeps two tiles in flight: Triton's
+    num_stages pipelines only loads that feed a dot."""
     spec = kernel.spec
     n, k, batch = spec.n, spec.k, spec.batch
     bn, bk = plan.bn, plan.bk
@@ -525,31 +529,37 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     k_ext = spec.k_ext
     skip_k = k_ext is not None and is_prefix(k_ext)
     even_k = k % bk == 0 and k_ext is None
+    ahead = plan.ahead > 0 and not skip_k and cdiv(k, bk) > 1
     operands = {"a": spec.a, "b": spec.b}
-    early = [op for op in operands if w.prefetch and not skip_k and _weights_only(operands[op])]
+    early = [op for op in operands if w.prefetch and not skip_k and _weights_only(operands[op])
+             and not (ahead and op == "a")]
 
     def ids():
         w.emit(f"rn = tl.program_id(0) * {bn} + tl.arange(0, {bn})")
         w.emit("bz = tl.program_id(1)")
         w.emit(f"zero_a = tl.zeros([1, {bk}], tl.int32)")
 
-    def operand(op: str, kk: str) -> str:
-        k_term = None if even_k else _and_terms(f"(rk[None, :] < {k})",
-                                                _dim_valid(w, k_ext, "rk[None, :]"))
+    def operand(op: str, kk: str, rk: str = "rk", var: str | None = None) -> str:
+        """Emit the `op` tile of the K step whose columns are `rk`; return its variable (`var`,
+        else one named after `kk`). Masked past K where K is uneven or `rk` may run past it."""
+        k_term = None if even_k and rk == "rk" else _and_terms(
+            f"({rk}[None, :] < {k})", _dim_valid(w, k_ext, f"{rk}[None, :]"))
         b_term = _dim_valid(w, ext[0], "bz")
         if op == "a":
             mask = _mask(w, "mask_a", k_term, b_term)
-            ctx = Ctx(w, (batch, 1, k), ["bz", "zero_a", "rk[None, :]"], mask=mask, zero="zero_a")
+            ctx = Ctx(w, (batch, 1, k), ["bz", "zero_a", f"{rk}[None, :]"], mask=mask,
+                      zero="zero_a")
         else:
             n_term = _and_terms(None if n % bn == 0 else f"(rn[:, None] < {n})",
                                 _dim_valid(w, ext[2], "rn[:, None]"))
             mask = _mask(w, "mask_b", k_term, n_term, b_term)
             w.emit(f"zero_b = tl.zeros([{bn}, {bk}], tl.int32)")
-            ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn[:, None]"], mask=mask,
+            ctx = Ctx(w, (batch, k, n), ["bz", f"{rk}[None, :]", "rn[:, None]"], mask=mask,
                       zero="zero_b")
         value = ExprEmitter(w, acc="stat" if op == "a" else None).value(operands[op], ctx)
         # early K steps' tiles: b_early (the first, its name before there were more), b_early1...
-        var = op if not kk.startswith("early") else f"{op}_{'early' if kk == 'early0' else kk}"
+        var = var or (op if not kk.startswith("early") else
+                      f"{op}_{'early' if kk == 'early0' else kk}")
         w.emit(f"{var} = {_masked(value, mask)}.to(tl.float32)")
         return var
 
@@ -558,8 +568,12 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
 
     def k_step(kk: str, ready: dict):
         w.emit(f"rk = {kk} + tl.arange(0, {bk})")
+        if ahead:   # this step's weights were loaded a step ago; the next step's go in flight
+            w.emit("b = b_next")
+            w.emit(f"rk_next = rk + {bk}")
+            operand("b", "next", rk="rk_next", var="b_next")
         a = ready.get("a") or operand("a", kk)
-        b = ready.get("b") or operand("b", kk)
+        b = "b" if ahead else ready.get("b") or operand("b", kk)
         w.emit(f"acc += {b} * {a}")
         if in_loop:   # the row statistic from the elements this step walks (fuse_stats.py)
             dims = ["rk[None, :]" if size != 1 else "zero_a" for size in spec.stat_shape]
@@ -570,12 +584,18 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
                 f"tl.where({mask}, {v}.to(tl.float32), {init})"
             w.emit("s_acc = " + REDUCE_COMBINE[spec.stat_op].format(acc="s_acc", v=v))
 
+    def first_weights():   # ahead: the first K step's weight tile, before the loop
+        w.emit(f"rk_next = tl.arange(0, {bk})")
+        operand("b", "next", rk="rk_next", var="b_next")
+
     steps = cdiv(k, bk)
-    early_steps = min(steps, GEMV_PREFETCH_STEPS) if early else 0
+    early_steps = 0 if ahead or not early else min(steps, GEMV_PREFETCH_STEPS)
     ready = []
     if early:
         with w.before_wait():
             ids()
+            if ahead:
+                first_weights()
             for i in range(early_steps):
                 w.emit(f"rk = {f'{i * bk} + ' if i else ''}tl.arange(0, {bk})")
                 ready.append({op: operand(op, f"early{i}") for op in early})
@@ -583,6 +603,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         ids()
     _exit_beyond(w, ext[1], "0")
     _exit_beyond(w, ext[0], "bz")
+    if ahead and not early:
+        first_weights()
     if in_loop:
         w.emit(f"s_acc = tl.full([1, {bk}], {init}, tl.float32)")
     elif spec.stat is not None:
@@ -611,6 +633,68 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     value = ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bn}]")
     return (cdiv(n, bn), batch, 1), GEMV_WARPS, GEMV_STAGES
+
+
+def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
+    """A GEMV whose row fits one tile (K <= GEMV_PERSISTENT_MAX_K): `plan.programs` programs per
+    batch row, each computing the row once for the whole K (an RMSNorm expression costs a pass
+    over L2 per program, not per tile) and then walking every `programs`-th tile of `bn` weight
+    rows, the next tile's weights loaded before this one is summed. The template above recomputes
+    the row per program and walks K in serial steps; at K = 4096 this ran the Llama-3-8B decode
+    GEMVs 6-16% faster on the H200 timed alone, and the whole decode graph 2% faster at 2
+    programs per SM (4 per SM, the best alone, made it 6% slower: the comment at
+    GEMV_PERSISTENT_MIN_K). The loop has static bounds (Triton's interpreter runs these kernels on the CPU): a program whose last turn is past
+    the last tile loads and stores nothing in it."""
+    spec = kernel.spec
+    n, k, batch = spec.n, spec.k, spec.batch
+    bn, kp, programs = plan.bn, plan.bk, plan.programs
+    ext = kernel.ext or (None, None, None)
+    turns = cdiv(cdiv(n, bn), programs)
+    k_term = None if k == kp else f"(rk[None, :] < {k})"
+    b_term = _dim_valid(w, ext[0], "bz")
+    early = w.prefetch and _weights_only(spec.b)
+
+    def ids():
+        w.emit("bz = tl.program_id(1)")
+        w.emit(f"rk = tl.arange(0, {kp})")
+        w.emit(f"rn_next = tl.program_id(0) * {bn} + tl.arange(0, {bn})")
+        w.emit(f"zero_b = tl.zeros([{bn}, {kp}], tl.int32)")
+
+    def weights():   # the tile at rn_next into b_next; the tile past the last loads nothing
+        n_term = _and_terms(f"(rn_next[:, None] < {n})", _dim_valid(w, ext[2], "rn_next[:, None]"))
+        mask = _mask(w, "mask_b", k_term, n_term, b_term)
+        ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn_next[:, None]"], mask=mask,
+                  zero="zero_b")
+        w.emit(f"b_next = {_masked(ExprEmitter(w).value(spec.b, ctx), mask)}.to(tl.float32)")
+
+    if early:
+        with w.before_wait():
+            ids()
+            weights()
+    else:
+        ids()
+    _exit_beyond(w, ext[1], "0")
+    _exit_beyond(w, ext[0], "bz")
+    if not early:
+        weights()
+    w.emit(f"zero_a = tl.zeros([1, {kp}], tl.int32)")
+    mask = _mask(w, "mask_a", k_term, b_term)
+    ctx = Ctx(w, (batch, 1, k), ["bz", "zero_a", "rk[None, :]"], mask=mask, zero="zero_a")
+    w.emit(f"a = {_masked(ExprEmitter(w).value(spec.a, ctx), mask)}.to(tl.float32)")
+    w.emit(f"for turn in range(0, {turns}):")
+    w.indent += 1
+    w.emit(f"rn = (tl.program_id(0) + turn * {programs}) * {bn} + tl.arange(0, {bn})")
+    w.emit("b = b_next")
+    w.emit(f"rn_next = rn + {programs * bn}")
+    weights()
+    w.emit("acc_n = tl.sum(b * a, axis=1)")
+    mask = _mask(w, "mask", f"(rn < {n})", _dim_valid(w, ext[2], "rn"), b_term)
+    w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
+    ctx = Ctx(w, (batch, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)", mask=mask,
+              zero="zero")
+    _store(w, kernel, ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx), ctx, f"[{bn}]")
+    w.indent -= 1
+    return (programs, batch, 1), plan.warps or GEMV_PERSISTENT_WARPS, 1
 
 
 def _row_stat(w: Writer, spec):
@@ -683,6 +767,8 @@ class GemmPlan:
     # from a measured tile (gemm_tiles.py); 0: the template's default for the tile
     warps: int = 0
     stages: int = 0
+    programs: int = 0    # GEMV: a persistent grid of this many programs per batch row (0: none)
+    ahead: int = 0       # GEMV: K steps of weights loaded ahead of the one being summed
 
 
 # The GEMV's tile, measured inside the Llama-1B decode graph on the H200 (docs/performance.md,
@@ -697,6 +783,26 @@ GEMV_BK = 1024     # K step: the columns of a weight row a program loads per ste
 GEMV_WARPS = 4
 GEMV_STAGES = 1
 GEMV_TILE = 4096   # weight elements per program per K step (rows = GEMV_TILE // K step)
+# Two other GEMV forms. The persistent form (_gemv_persistent) takes a row of K in
+# [GEMV_PERSISTENT_MIN_K, GEMV_PERSISTENT_MAX_K], one tile of next_pow2(K) columns: tiles of
+# GEMV_PERSISTENT_ROWS weight rows, GEMV_PERSISTENT_PER_SM programs per SM, GEMV_PERSISTENT_WARPS
+# warps. The long-row form (off: GEMV_LONG_K = 0) takes K past GEMV_LONG_K: GEMV_LONG_TILE tiles
+# with the next K step's weights in flight. Timed alone on the H200 as graph chains with the row a
+# decode graph gives each GEMV (`gemv_sweep --rows`, docs/performance.md, 2026-12-02), us per
+# GEMV: Llama-3-8B qkv 16.6 -> 13.9 (persistent, 4 per SM), o 10.7 -> 10.0, gate+up 58.4 -> 54.6,
+# down (K 14336) 32.3 -> 30.8 (long row); Llama-3.2-1B down (K 8192) 14.0 -> 12.6. Inside the 8B
+# decode graph, behind programmatic edges (2026-12-03, bench_decode --variant), ms/token: neither
+# 4.578, long row 4.734, both 4.994, both at 2 per SM 4.680; then in one later run neither 4.574,
+# persistent at 2 per SM 4.472 (the default), at 1 per SM 5.607. At K = 2048 (the 1B's GEMVs) the
+# persistent form tied or lost alone (gate+up 17.8 -> 18.5), so the template keeps those.
+GEMV_PERSISTENT_MIN_K = 2049
+GEMV_PERSISTENT_MAX_K = 4096
+GEMV_PERSISTENT_ROWS = 2
+GEMV_PERSISTENT_PER_SM = 2
+GEMV_PERSISTENT_WARPS = 8
+GEMV_LONG_K = 0         # past this K: GEMV_LONG_TILE tiles, GEMV_LONG_AHEAD steps ahead; 0: off
+GEMV_LONG_TILE = (4, 512)
+GEMV_LONG_AHEAD = 1
 
 
 def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
@@ -716,10 +822,18 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
                         min(measured.bn, max(32, next_pow2(n))), bk, split,
                         warps=measured.warps, stages=measured.stages)
     if m == 1:
+        if GEMV_PERSISTENT_MIN_K <= k <= GEMV_PERSISTENT_MAX_K:
+            bn = GEMV_PERSISTENT_ROWS
+            programs = min(cdiv(n, bn), max(1, GEMV_PERSISTENT_PER_SM * sm_count // batch))
+            return GemmPlan(1, bn, next_pow2(k), 1, gemv=True, programs=programs)
         bk = min(GEMV_BK, max(16, next_pow2(k)))
         bn = min(max(2, GEMV_TILE // bk), max(2, next_pow2(n)))
+        ahead = 0
+        if GEMV_LONG_K and k > GEMV_LONG_K:
+            bn, bk = min(GEMV_LONG_TILE[0], max(2, next_pow2(n))), GEMV_LONG_TILE[1]
+            ahead = GEMV_LONG_AHEAD
         if cdiv(n, bn) * batch >= sm_count // 2 or k <= 8192:
-            return GemmPlan(1, bn, bk, 1, gemv=True)
+            return GemmPlan(1, bn, bk, 1, gemv=True, ahead=ahead)
     # (32, 32) is left out: with tf32x3 and a deep K step it ran 2-5x slower than both its
     # neighbours on the H200 (docs/performance.md, run 8).
     fits = [(bm, bn) for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32),

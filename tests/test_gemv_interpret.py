@@ -1,7 +1,8 @@
 """GEMV (one row of A: decode steps, batch-1 vectors) through the CPU reference executor against
 torch in fp64: ragged N and K, bias and activation epilogues, W or W^T, batched, fp16, a
 dynamic row count whose bucket is 1, and a dynamic K. One kernel per product (no split-K
-partial sums), checked from the package."""
+partial sums), checked from the package. Rows of 2049-4096 columns take the persistent form
+(codegen._gemv_persistent), longer ones tiles with the next K step's weights in flight."""
 from __future__ import annotations
 
 import numpy as np
@@ -134,6 +135,7 @@ def test_weights_of_several_k_steps_load_before_the_wait(tmp_path, monkeypatch):
     from grace.formats.races import check_pre_wait
 
     monkeypatch.setattr(codegen, "GEMV_PREFETCH_STEPS", 2)
+    monkeypatch.setattr(codegen, "GEMV_PERSISTENT_MAX_K", 0)   # the template, not persistent
     torch.manual_seed(5)
     path = _check(Proj(3000, 24, bias=False), {"x": torch.randn(1, 3000)}, tmp_path, tol=1e-5)
     pkg = read_package(path)
@@ -143,3 +145,81 @@ def test_weights_of_several_k_steps_load_before_the_wait(tmp_path, monkeypatch):
     before, after = src.split("gdc_wait()")
     assert "b_early =" in before and "b_early1 =" in before and "b_early2" not in src
     assert "for kk in range(2048, 3000, 1024)" in after
+
+
+@pytest.fixture
+def gemv_forms(monkeypatch):
+    """The long-row GEMV form, off by default (it slowed the 8B decode graph: the comment at
+    codegen.GEMV_PERSISTENT_MIN_K), turned on as a variant would, beside the persistent form."""
+    from grace.aot import codegen
+    monkeypatch.setattr(codegen, "GEMV_LONG_K", 4096)
+
+
+def test_default_plans_of_the_decode_gemvs():
+    """Llama-3-8B's decode GEMVs of K 4096 (qkv, gate+up) take the persistent form at 2 programs
+    per SM; the down projection (K 14336) and every K-2048 GEMV (Llama-3.2-1B) the template, one
+    K step of 1024 columns a time, nothing ahead."""
+    from grace.aot import codegen
+    for n, k in ((6144, 4096), (28672, 4096), (128256, 4096)):
+        plan = codegen.gemm_plan(1, n, k, 1, 2, 132)
+        assert (plan.gemv, plan.bn, plan.bk, plan.programs) == (True, 2, 4096, 2 * 132), (n, k)
+    for n, k in ((4096, 14336), (3072, 2048), (16384, 2048), (2048, 8192)):
+        plan = codegen.gemm_plan(1, n, k, 1, 2, 132)
+        assert (plan.gemv, plan.bk, plan.programs, plan.ahead) == (True, 1024, 0, 0), (n, k, plan)
+
+
+def test_the_long_row_knob_picks_its_tiles(gemv_forms):
+    from grace.aot import codegen
+    plan = codegen.gemm_plan(1, 4096, 14336, 1, 2, 132)
+    assert (plan.bn, plan.bk, plan.programs, plan.ahead) == (4, 512, 0, 1)
+
+
+def _matmul_source(path) -> str:
+    pkg = read_package(path)
+    return next(bytes(pkg.section(k["source"])).decode() for k in pkg.manifest["kernels"]
+                if k["family"] == "matmul")
+
+
+def test_persistent_gemv_walks_ragged_tiles_in_several_turns(tmp_path):
+    """K 3000 (one tile of 4096 columns, masked) and N 37 (19 tiles of 2 rows, the last ragged) on
+    a part of 2 multiprocessors: 4 programs, 5 turns each, the last turn past the last tile for
+    one; the first tile's weights before gdc_wait() and nothing else."""
+    from grace.formats.races import check_pre_wait
+
+    torch.manual_seed(7)
+    path = _check(Proj(3000, 37), {"x": torch.randn(1, 3000)}, tmp_path, tol=1e-5,
+                  sm_count={"sm_90": 2})
+    assert check_pre_wait(read_package(path)) == []
+    before, after = _matmul_source(path).split("gdc_wait()")
+    assert "b_next =" in before and "for turn in range(0, 5)" in after
+
+
+def test_persistent_gemv_of_batched_activations(tmp_path):
+    """Both operands activations (no weight to load before the wait), three batch rows."""
+    torch.manual_seed(8)
+    path = _check(Batched(), {"a": torch.randn(3, 1, 2304), "b": torch.randn(3, 2304, 10)},
+                  tmp_path, tol=1e-5)
+    src = _matmul_source(path)
+    assert "for turn in range(" in src and "b_next =" in src.split("gdc_wait()")[1]
+
+
+def test_long_row_loads_the_next_k_step_ahead(tmp_path, gemv_forms):
+    """K 5000 (past GEMV_LONG_K): 4 x 512 tiles, the ragged last step masked, each step's
+    weights loaded one step ahead of the sum; the first step's before gdc_wait()."""
+    torch.manual_seed(9)
+    path = _check(Proj(5000, 30), {"x": torch.randn(1, 5000)}, tmp_path, tol=1e-5)
+    before, after = _matmul_source(path).split("gdc_wait()")
+    assert "rk_next = tl.arange(0, 512)" in before and "b_next =" in before
+    assert "for kk in range(0, 5000, 512)" in after and "b = b_next" in after
+
+
+def test_long_row_in_half_precision(tmp_path, gemv_forms):
+    torch.manual_seed(10)
+    model = Proj(4608, 16).half()
+    x = torch.randn(1, 4608).half()
+    path = grace_compile(model.eval(), (x,), output=tmp_path / "m.grace", progress=False)
+    got = run_cases(path, {"r": {"x": x.numpy()}}, tmp_path)["r"]["out"]
+    with torch.no_grad():
+        ref = model.double()(x.double())
+    assert "b = b_next" in _matmul_source(path)
+    assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3

@@ -6,6 +6,8 @@ Run with `pytest -m gpu tests/gpu`.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -20,6 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.aot.codegen import attention_plan  # noqa: E402
 from grace.aot.lower import DEFAULT_OPTIONS  # noqa: E402
+from grace.formats import read_package  # noqa: E402
 from grace.runtime import load  # noqa: E402
 
 
@@ -73,5 +76,67 @@ def test_split_kv_attention_and_gemv(tmp_path, dtype):
             assert _rel(got, ref64) < 1e-5, (pos, _rel(got, ref64))
         else:   # bf16: as far from fp64 as torch's own bf16 is, give or take
             assert _rel(got, ref64) < 2 * _rel(ref, ref64) + 1e-3, (pos, _rel(got, ref64))
+    sess.close()
+    pkg.close()
+
+
+class MlpStep(torch.nn.Module):
+    """A decode step's MLP at Llama-3-8B's width: RMSNorm, gate and up projections of K 4096
+    (the persistent GEMV, codegen._gemv_persistent), SwiGLU, a down projection of K 5000 (past
+    GEMV_LONG_K: tiles with the next K step ahead, the last step ragged), the residual, then a
+    projection of K 3000 (persistent, one masked tile of 4096 columns)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm_w = torch.nn.Parameter(torch.rand(4096) + 0.5)
+        self.gate = torch.nn.Linear(4096, 5000, bias=False)
+        self.up = torch.nn.Linear(4096, 5000, bias=False)
+        self.down = torch.nn.Linear(5000, 4096, bias=False)
+        self.mid = torch.nn.Linear(4096, 3000, bias=False)
+        self.out = torch.nn.Linear(3000, 1000, bias=False)
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) * self.norm_w
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return self.out(self.mid(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, monkeypatch):
+    """Each GEMV form behind programmatic edges, 100 calls with fresh inputs in a NaN-poisoned
+    session (a race shows up as a rare mismatch), against fp64 (fp32) or torch's bf16. The
+    long-row form is off by default (the comment at codegen.GEMV_PERSISTENT_MIN_K): turned on
+    here as a variant would."""
+    from grace.aot import codegen
+    monkeypatch.setattr(codegen, "GEMV_LONG_K", 4096)
+    torch.manual_seed(0)
+    model = MlpStep().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    model = model.to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    path = grace_compile(model, (torch.randn(1, 1, 4096, generator=gen).to(dtype),),
+                         output=tmp_path / "m.grace", progress=False, fp32_matmul="ieee")
+    pkg = read_package(path)
+    sources = "\n".join(bytes(pkg.section(k["source"])).decode()
+                        for k in pkg.manifest["kernels"] if k["family"] == "matmul")
+    assert "for turn in range(" in sources and "b = b_next" in sources
+    gpu_model, model64 = copy.deepcopy(model).cuda(), copy.deepcopy(model).double()
+    pkg = load(path)
+    sess = pkg.session(poison=True)
+    for _ in range(100):
+        x = torch.randn(1, 1, 4096, generator=gen).to(dtype)
+        got = torch.from_dlpack(sess.run(x.cuda())["out"]).float().cpu()
+        with torch.no_grad():
+            ref = gpu_model(x.cuda()).float().cpu()
+            ref64 = model64(x.double())
+        assert torch.isfinite(got).all()
+        err = _rel(got, ref64)
+        if dtype == torch.float32:
+            assert err < 1e-5, err
+        else:   # bf16: as far from fp64 as torch's own bf16 is, give or take
+            assert err < 2 * _rel(ref, ref64) + 1e-3, (err, _rel(ref, ref64))
     sess.close()
     pkg.close()
