@@ -113,6 +113,16 @@ def test_a_statistic_with_another_reader_keeps_its_kernel(tmp_path):
     assert "reduction" in _kernels(path)
 
 
+def test_a_persistent_gemv_keeps_the_reduction(tmp_path):
+    """K 3000: the persistent GEMV (codegen._gemv_persistent) has no statistic pass, so the
+    RMSNorm keeps its kernel under fold_row_stats and the result is unchanged."""
+    torch.manual_seed(5)
+    path = _check(NormProj(3000, 24), {"x": torch.randn(1, 3000)}, tmp_path, tol=1e-5,
+                  fold_row_stats=True)
+    assert _kernels(path) == ["table_writer", "reduction", "matmul"]
+    assert "for turn in range(" in _gemv_source(path)
+
+
 def test_rows_of_a_gemm_keep_the_reduction(tmp_path):
     torch.manual_seed(3)
     path = _check(NormProj(64, 32), {"x": torch.randn(8, 64)}, tmp_path, tol=1e-5,
