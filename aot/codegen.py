@@ -643,15 +643,25 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     the row per program and walks K in serial steps; at K = 4096 this ran the Llama-3-8B decode
     GEMVs 6-16% faster on the H200 timed alone, and the whole decode graph 2% faster at 2
     programs per SM (4 per SM, the best alone, made it 6% slower: the comment at
-    GEMV_PERSISTENT_MIN_K). The loop has static bounds (Triton's interpreter runs these kernels on the CPU): a program whose last turn is past
-    the last tile loads and stores nothing in it."""
+    GEMV_PERSISTENT_MIN_K). The loop has static bounds (Triton's interpreter runs these kernels
+    on the CPU): a program whose last turn is past the last tile loads and stores nothing in it.
+    A dynamic K is masked at its extent."""
     spec = kernel.spec
     n, k, batch = spec.n, spec.k, spec.batch
     bn, kp, programs = plan.bn, plan.bk, plan.programs
     ext = kernel.ext or (None, None, None)
     turns = cdiv(cdiv(n, bn), programs)
-    k_term = None if k == kp else f"(rk[None, :] < {k})"
-    b_term = _dim_valid(w, ext[0], "bz")
+
+    # asked for where they are used: a dynamic extent comes from the table, which the code before
+    # gdc_wait() must not read (Writer raises NotBeforeWait there, and the kernel is generated
+    # again without the early load)
+    def k_term():
+        return _and_terms(None if k == kp else f"(rk[None, :] < {k})",
+                          _dim_valid(w, spec.k_ext, "rk[None, :]"))
+
+    def b_term():
+        return _dim_valid(w, ext[0], "bz")
+
     early = w.prefetch and _weights_only(spec.b)
 
     def ids():
@@ -662,7 +672,7 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
 
     def weights():   # the tile at rn_next into b_next; the tile past the last loads nothing
         n_term = _and_terms(f"(rn_next[:, None] < {n})", _dim_valid(w, ext[2], "rn_next[:, None]"))
-        mask = _mask(w, "mask_b", k_term, n_term, b_term)
+        mask = _mask(w, "mask_b", k_term(), n_term, b_term())
         ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn_next[:, None]"], mask=mask,
                   zero="zero_b")
         w.emit(f"b_next = {_masked(ExprEmitter(w).value(spec.b, ctx), mask)}.to(tl.float32)")
@@ -678,7 +688,7 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     if not early:
         weights()
     w.emit(f"zero_a = tl.zeros([1, {kp}], tl.int32)")
-    mask = _mask(w, "mask_a", k_term, b_term)
+    mask = _mask(w, "mask_a", k_term(), b_term())
     ctx = Ctx(w, (batch, 1, k), ["bz", "zero_a", "rk[None, :]"], mask=mask, zero="zero_a")
     w.emit(f"a = {_masked(ExprEmitter(w).value(spec.a, ctx), mask)}.to(tl.float32)")
     w.emit(f"for turn in range(0, {turns}):")
@@ -688,7 +698,7 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     w.emit(f"rn_next = rn + {programs * bn}")
     weights()
     w.emit("acc_n = tl.sum(b * a, axis=1)")
-    mask = _mask(w, "mask", f"(rn < {n})", _dim_valid(w, ext[2], "rn"), b_term)
+    mask = _mask(w, "mask", f"(rn < {n})", _dim_valid(w, ext[2], "rn"), b_term())
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
     ctx = Ctx(w, (batch, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)", mask=mask,
               zero="zero")

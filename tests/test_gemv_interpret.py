@@ -2,7 +2,7 @@
 torch in fp64: ragged N and K, bias and activation epilogues, W or W^T, batched, fp16, a
 dynamic row count whose bucket is 1, and a dynamic K. One kernel per product (no split-K
 partial sums), checked from the package. Rows of 2049-4096 columns take the persistent form
-(codegen._gemv_persistent), longer ones tiles with the next K step's weights in flight."""
+(codegen._gemv_persistent); the long-row form (the next K step's weights in flight) is a knob."""
 from __future__ import annotations
 
 import numpy as np
@@ -201,6 +201,28 @@ def test_persistent_gemv_of_batched_activations(tmp_path):
                   tmp_path, tol=1e-5)
     src = _matmul_source(path)
     assert "for turn in range(" in src and "b_next =" in src.split("gdc_wait()")[1]
+
+
+class BatchedOfIntermediates(torch.nn.Module):
+    """The row a softmax written to the arena (decode attention's probabilities times values):
+    past its true K the arena holds whatever it held (NaN in the executor), so only the
+    kernel's own K mask keeps it out of the sum."""
+
+    def forward(self, a, b):
+        return torch.bmm(torch.softmax(a, -1), b)
+
+
+def test_persistent_gemv_of_a_dynamic_k(tmp_path):
+    """K a dynamic extent served by a bucket of 4096 (the persistent form's one tile): columns
+    past the true K are masked, not summed, at sizes that are not the bucket's."""
+    torch.manual_seed(11)
+    s = Dim("s", min=2049, max=4096)
+    path = _check(BatchedOfIntermediates(),
+                  {"a": torch.randn(2, 1, 3000), "b": torch.randn(2, 3000, 8)},
+                  tmp_path, dynamic_shapes={"a": {2: s}, "b": {1: s}}, buckets={"s": [4096]},
+                  runs=[{"a": torch.randn(2, 1, n), "b": torch.randn(2, n, 8)}
+                        for n in (2049, 3001, 4096)], tol=1e-5)
+    assert "for turn in range(" in _matmul_source(path)
 
 
 def test_long_row_loads_the_next_k_step_ahead(tmp_path, gemv_forms):
