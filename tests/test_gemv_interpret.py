@@ -194,6 +194,15 @@ def test_persistent_gemv_walks_ragged_tiles_in_several_turns(tmp_path):
     assert "b_next =" in before and "for turn in range(0, 5)" in after
 
 
+@pytest.mark.parametrize("model, k", [(lambda: Proj(3000, 1), 3000), (lambda: Proj(4096, 0), 4096),
+                                      (lambda: RightWeight(2500, 3), 2500)],
+                         ids=["one-output", "no-output", "weight-k-major"])
+def test_persistent_gemv_edges(tmp_path, model, k):
+    """One output column (one ragged tile), none (an empty product), and W stored [K, N]."""
+    torch.manual_seed(12)
+    _check(model(), {"x": torch.randn(1, k)}, tmp_path, tol=1e-5)
+
+
 def test_persistent_gemv_of_batched_activations(tmp_path):
     """Both operands activations (no weight to load before the wait), three batch rows."""
     torch.manual_seed(8)
