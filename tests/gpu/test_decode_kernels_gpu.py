@@ -140,3 +140,38 @@ def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, monkeypatch):
             assert err < 2 * _rel(ref, ref64) + 1e-3, (err, _rel(ref, ref64))
     sess.close()
     pkg.close()
+
+
+class SoftmaxTimesValues(torch.nn.Module):
+    """Decode attention's second product, unfused: a softmax row of dynamic length times values."""
+
+    def forward(self, scores, values):
+        return torch.bmm(torch.softmax(scores, -1), values)
+
+
+def test_persistent_gemv_of_a_dynamic_k(tmp_path):
+    """The persistent GEMV over a dynamic K served by a 4096 bucket: the columns past the true
+    length hold NaN in a poisoned arena and must be masked, at lengths that are not the
+    bucket's, 20 fresh calls each, against fp64."""
+    from torch.export import Dim
+    model = SoftmaxTimesValues().eval()
+    gen = torch.Generator().manual_seed(2)
+    s = Dim("s", min=2049, max=4096)
+    path = grace_compile(model, (torch.randn(2, 1, 3000, generator=gen),
+                                 torch.randn(2, 3000, 8, generator=gen)),
+                         output=tmp_path / "m.grace", progress=False, fp32_matmul="ieee",
+                         dynamic_shapes={"scores": {2: s}, "values": {1: s}}, buckets={"s": [4096]})
+    pkg = read_package(path)
+    assert any("for turn in range(" in bytes(pkg.section(k["source"])).decode()
+               for k in pkg.manifest["kernels"] if k["family"] == "matmul")
+    pkg = load(path)
+    sess = pkg.session(poison=True)
+    for n in (2049, 3001, 4095, 4096):
+        for _ in range(20):
+            args = (torch.randn(2, 1, n, generator=gen) * 4, torch.randn(2, n, 8, generator=gen))
+            got = torch.from_dlpack(sess.run(*[a.cuda() for a in args])["out"]).cpu()
+            ref64 = model(*[a.double() for a in args])
+            assert torch.isfinite(got).all()
+            assert _rel(got, ref64) < 1e-5, (n, _rel(got, ref64))
+    sess.close()
+    pkg.close()
