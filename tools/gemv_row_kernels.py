@@ -1,6 +1,6 @@
 """Kernels for `gemv_sweep --rows` (a module of their own: Triton resolves a jitted helper by
-its global name). The GEMV as a decode graph runs it: its row an expression of data another kernel wrote
-(an RMSNorm's x * rsqrt(mean(x^2) + eps) * g, or a SwiGLU's silu(gate) * up), recomputed by
+its global name). The GEMV as a decode graph runs it: its row an expression of data another
+kernel wrote (an RMSNorm's x * rsqrt(mean(x^2) + eps) * g, or a SwiGLU's silu(gate) * up), recomputed by
 every program. `gemv_row`: codegen's template (a program per `BN` weight rows, K in steps of
 `BK`). `gemv_persistent`: a grid of a few programs per SM, each computing the row once for
 the whole K (K <= 4096) and then streaming tiles of `BN` weight rows with it.
@@ -22,6 +22,7 @@ def row_chunk(x_ptr, g_ptr, s_ptr, rk, K: tl.constexpr, KIND: tl.constexpr):
         b = tl.load(x_ptr + K + rk).to(tl.float32)
         r = (a / (1 + tl.exp(-a))).to(tl.bfloat16).to(tl.float32) * b
     return r
+
 
 @triton.jit
 def gemv_row(w_ptr, x_ptr, g_ptr, s_ptr, y_ptr, K: tl.constexpr, BN: tl.constexpr,
