@@ -1,9 +1,9 @@
-"""Kernels for `gemv_sweep --rows` (a module of their own: Triton resolves a jitted helper by
-its global name). The GEMV as a decode graph runs it: its row an expression of data another
-kernel wrote (an RMSNorm's x * rsqrt(mean(x^2) + eps) * g, or a SwiGLU's silu(gate) * up),
-recomputed by every program. `gemv_row`: codegen's template (a program per `BN` weight rows, K
-in steps of `BK`). `gemv_persistent`: a grid of a few programs per SM, each computing the row once for
-the whole K (K <= 4096) and then streaming tiles of `BN` weight rows with it.
+"""Kernels for `gemv_sweep --rows` (a module of their own: Triton resolves a jitted helper by its
+global name). The GEMV as a decode graph runs it: its row an expression of data another kernel
+wrote (an RMSNorm's x * rsqrt(mean(x^2) + eps) * g, or a SwiGLU's silu(gate) * up), recomputed
+by every program. `gemv_row`: codegen's template (a program per `BN` weight rows, K in steps of
+`BK`). `gemv_persistent`: a grid of a few programs per SM, each computing the row once for the
+whole K (K <= 4096) and then streaming tiles of `BN` weight rows with it.
 """
 import triton
 import triton.language as tl
