@@ -10,10 +10,19 @@ Programmatic edges (PDL, the default for sm_90+) are built as full edges here (`
 the same kernels): under PDL a kernel launches before its predecessor ends and its span includes
 the wait at gdc_wait(), so per-kernel times overlap and their sum overcounts the call (a 1.08 ms
 decode token summed to 1.6 ms). `--as-built` keeps the package's edges (the spans then overlap).
+
+`--timeline` answers where a call's time goes when kernels overlap: per graph node, in launch
+order, the time by which it moved the call's finishing line (its end minus the latest end of the
+kernels before it, never negative), averaged over the iterations. These "exposed" times add up to
+the call's GPU span, so with `--as-built` they show what each kernel costs the call under PDL:
+its own streaming, its boundary, and any wait it could not hide. Nodes are grouped by label
+(`mm_3`, `mean_1` ... the FX node names, numbered suffixes dropped) with the weight bytes each
+reads, so a GEMV's rate in the graph is bytes / exposed time.
 """
 from __future__ import annotations
 
 import argparse
+import re
 from collections import defaultdict
 
 
@@ -27,6 +36,12 @@ def main(argv=None):
     ap.add_argument("--as-built", action="store_true",
                     help="keep programmatic edges (PDL): kernel spans then include their waits and "
                          "overlap, so the per-kernel sum overcounts")
+    ap.add_argument("--timeline", action="store_true",
+                    help="per node label: the time each kernel adds to the call's GPU span (see "
+                         "the module docstring); pair with --as-built for PDL packages")
+    ap.add_argument("--fill", action="append", default=[], metavar="NAME=VALUE",
+                    help="an integer input filled with VALUE instead of random values (repeatable),"
+                         " e.g. a decode position: --fill input_pos=1000")
     args = ap.parse_args(argv)
     import numpy as np
     import torch
@@ -40,10 +55,23 @@ def main(argv=None):
         sizes = _symbol_sizes(pkg.manifest, args.size)
     except CliError as e:
         ap.error(str(e))
+    fills = {}
+    for item in args.fill:
+        name, _, value = item.partition("=")
+        try:
+            fills[name] = int(value)
+        except ValueError:
+            ap.error(f"--fill {item!r}: expected NAME=INTEGER")
+    unknown = set(fills) - {spec["name"] for spec in pkg.manifest["inputs"]}
+    if unknown:
+        ap.error(f"--fill: no input named {sorted(unknown)}")
     inputs = {}
     for spec in pkg.manifest["inputs"]:
         shape = [sizes[d] if isinstance(d, str) else d for d in spec["shape"]]
-        if spec["dtype"].startswith("int"):
+        if spec["name"] in fills:
+            inputs[spec["name"]] = torch.full(shape, fills[spec["name"]], device="cuda",
+                                              dtype=getattr(torch, spec["dtype"]))
+        elif spec["dtype"].startswith("int"):
             inputs[spec["name"]] = torch.randint(0, 100, shape, device="cuda")
         else:
             inputs[spec["name"]] = torch.randn(shape, device="cuda").to(getattr(torch, spec["dtype"]))
@@ -54,6 +82,11 @@ def main(argv=None):
         for _ in range(args.iters):
             sess.run(**inputs)
         sess.sync()
+    if args.timeline:
+        graph = next(g for g in pkg.manifest["graphs"] if g["name"] == sess.last_graph)
+        print(format_timeline(timeline(graph, pkg.manifest["kernels"], _kernel_spans(prof),
+                                       args.iters), args.top))
+        return
     per = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
         if e.device_type.name == "CUDA":
@@ -66,6 +99,87 @@ def main(argv=None):
     for name, (us, count) in sorted(per.items(), key=lambda kv: -kv[1][0])[:args.top]:
         print(f"{us / args.iters:9.1f} us {count // args.iters:4d}x  {name}")
     del np
+
+
+def _kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """(kernel name, start µs, end µs) of every GPU kernel the profiler saw, in start order."""
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type.name == "CUDA" and not e.name.startswith("Memcpy")
+             and not e.name.startswith("Memset")]
+    return sorted(spans, key=lambda s: s[1])
+
+
+def _label_group(label: str) -> str:
+    """`mm_12` -> `mm`: FX numbers repeated nodes; one group per kind of node."""
+    return re.sub(r"_\d+$", "", label)
+
+
+def timeline(graph: dict, kernels: list, spans, iters: int) -> list[dict]:
+    """Per node of `graph` (launch order, table writer included): its mean exposed time over the
+    `iters` calls in `spans`, the kernels of one call each.
+
+    A call's kernels are matched to nodes by name and occurrence: the k-th launch of kernel X in
+    a call is the k-th node that launches X, in node order. Nodes that may run side by side can
+    swap starts; matching by name keeps each span with a node of its own kernel, and the exposed
+    time is computed in start order, so a swap moves time between siblings only."""
+    nodes = graph["nodes"]
+    per_call = len(nodes)
+    if len(spans) != per_call * iters:
+        raise SystemExit(f"profile saw {len(spans)} kernels for {iters} calls of a {per_call}-node "
+                         "graph: other GPU work ran in this process, or nodes are not kernels")
+    by_kernel = defaultdict(list)
+    for i, node in enumerate(nodes):
+        by_kernel[kernels[node["kernel"]]["name"]].append(i)
+    exposed = [0.0] * per_call
+    span_us = 0.0
+    for c in range(iters):
+        call = spans[c * per_call:(c + 1) * per_call]
+        seen = defaultdict(int)
+        frontier = call[0][1]
+        for name, start, end in call:
+            slots = by_kernel.get(name)
+            if slots is None or seen[name] >= len(slots):
+                raise SystemExit(f"kernel {name} is not a node of graph {graph['name']!r} "
+                                 "(or runs more often than its nodes)")
+            i = slots[seen[name]]
+            seen[name] += 1
+            exposed[i] += max(0.0, end - frontier)
+            frontier = max(frontier, end)
+        span_us += frontier - call[0][1]
+    rows = []
+    for i, node in enumerate(nodes):
+        weights = sum(a["nbytes"] for a in node["args"]
+                      if isinstance(a, dict) and a.get("region") == "weights")
+        rows.append({"node": i, "label": node.get("label", "?"),
+                     "kernel": kernels[node["kernel"]]["name"], "grid": node.get("grid"),
+                     "weights_nbytes": weights, "exposed_us": exposed[i] / iters,
+                     "programmatic": bool(node.get("programmatic"))})
+    rows.append({"span_us": span_us / iters})
+    return rows
+
+
+def format_timeline(rows, top: int) -> str:
+    span = rows[-1]["span_us"]
+    rows = rows[:-1]
+    groups = defaultdict(lambda: [0, 0.0, 0])
+    for r in rows:
+        g = groups[_label_group(r["label"])]
+        g[0] += 1
+        g[1] += r["exposed_us"]
+        g[2] += r["weights_nbytes"]
+    lines = [f"GPU span per call {span:.1f} us over {len(rows)} nodes "
+             f"(sum of exposed times {sum(r['exposed_us'] for r in rows):.1f} us)",
+             f"{'group':<32}{'nodes':>6}{'exposed us':>12}{'share':>8}{'us/node':>9}{'weights MB':>12}"
+             f"{'TB/s':>7}"]
+    for name, (count, us, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        rate = f"{nbytes / us / 1e6:.2f}" if nbytes and us else "-"
+        lines.append(f"{name:<32}{count:>6}{us:>12.1f}{us / span:>8.1%}{us / count:>9.2f}"
+                     f"{nbytes / 1e6:>12.1f}{rate:>7}")
+    lines.append(f"the {top} nodes that cost the call most:")
+    for r in sorted(rows, key=lambda r: -r["exposed_us"])[:top]:
+        lines.append(f"  node {r['node']:>4}  {r['label']:<28}{r['exposed_us']:>8.2f} us  "
+                     f"grid {r['grid']}  {r['weights_nbytes'] / 1e6:.1f} MB  {r['kernel']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

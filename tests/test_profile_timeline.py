@@ -1,0 +1,47 @@
+"""profile_kernels --timeline: exposed times from synthetic kernel spans (no GPU, no profiler)."""
+import pytest
+
+from grace.tools.profile_kernels import format_timeline, timeline
+
+KERNELS = [{"name": "table_writer"}, {"name": "mean_k"}, {"name": "gemv_k"}, {"name": "put_k"}]
+W = {"region": "weights", "offset": 0, "nbytes": 4_000_000}
+GRAPH = {"name": "seq=1", "nodes": [
+    {"kernel": 0, "args": [], "label": "table_writer"},
+    {"kernel": 1, "args": [], "label": "mean"},
+    {"kernel": 2, "args": [W], "label": "mm"},
+    {"kernel": 3, "args": [], "label": "index_put"},      # beside the second one
+    {"kernel": 3, "args": [], "label": "index_put_1"},
+    {"kernel": 2, "args": [W], "label": "mm_1"},
+]}
+
+
+def _call(t0):
+    return [("table_writer", t0, t0 + 1),
+            ("mean_k", t0 + 1, t0 + 3),
+            ("gemv_k", t0 + 2, t0 + 6),      # launched early (PDL): only 3 µs past the mean
+            ("put_k", t0 + 6, t0 + 7),
+            ("put_k", t0 + 6, t0 + 8),       # its sibling: 1 µs more
+            ("gemv_k", t0 + 7, t0 + 10)]     # 2 µs past the siblings' finish
+
+
+def test_exposed_times_add_up_to_the_span():
+    rows = timeline(GRAPH, KERNELS, _call(0.0) + _call(100.0), iters=2)
+    span = rows[-1]["span_us"]
+    exposed = [r["exposed_us"] for r in rows[:-1]]
+    assert span == 10.0
+    assert exposed == [1.0, 2.0, 3.0, 1.0, 1.0, 2.0]
+    assert sum(exposed) == span
+    text = format_timeline(rows, top=3)
+    mm = next(line for line in text.splitlines() if line.startswith("mm "))
+    # two GEMVs of 4 MB in 5 µs exposed: 1.6 TB/s
+    assert mm.split()[1:3] == ["2", "5.0"] and mm.split()[-1] == "1.60"
+    assert "index_put " in text and "index_put_1" not in text.split("the 3 nodes")[0]
+
+
+def test_a_kernel_the_graph_does_not_launch_is_an_error():
+    spans = _call(0.0)
+    spans[3] = ("other", 6, 7)
+    with pytest.raises(SystemExit, match="not a node"):
+        timeline(GRAPH, KERNELS, spans, iters=1)
+    with pytest.raises(SystemExit, match="other GPU work"):
+        timeline(GRAPH, KERNELS, _call(0.0)[:-1], iters=1)
