@@ -675,7 +675,8 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
         mask = _mask(w, "mask_b", k_term(), n_term, b_term())
         ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn_next[:, None]"], mask=mask,
                   zero="zero_b")
-        w.emit(f"b_next = {_masked(ExprEmitter(w).value(spec.b, ctx), mask)}.to(tl.float32)")
+        cast = "" if GEMV_PERSISTENT_CAST_LATE else ".to(tl.float32)"
+        w.emit(f"b_next = {_masked(ExprEmitter(w).value(spec.b, ctx), mask)}{cast}")
 
     if early:
         with w.before_wait():
@@ -697,7 +698,8 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     w.emit("b = b_next")
     w.emit(f"rn_next = rn + {programs * bn}")
     weights()
-    w.emit("acc_n = tl.sum(b * a, axis=1)")
+    w.emit("acc_n = tl.sum(b.to(tl.float32) * a, axis=1)" if GEMV_PERSISTENT_CAST_LATE else
+           "acc_n = tl.sum(b * a, axis=1)")
     mask = _mask(w, "mask", f"(rn < {n})", _dim_valid(w, ext[2], "rn"), b_term())
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
     ctx = Ctx(w, (batch, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)", mask=mask,
@@ -810,6 +812,10 @@ GEMV_PERSISTENT_MAX_K = 4096
 GEMV_PERSISTENT_ROWS = 2
 GEMV_PERSISTENT_PER_SM = 2
 GEMV_PERSISTENT_WARPS = 8
+# Keep the weight tiles in flight in their stored dtype and widen them at the multiply: half the
+# registers of two fp32 tiles (2 x 4096 at 8 warps: 32 a thread each), so more programs can be
+# resident beside a PDL predecessor. Off until timed in the decode graph (--variant).
+GEMV_PERSISTENT_CAST_LATE = False
 GEMV_LONG_K = 0         # past this K: GEMV_LONG_TILE tiles, GEMV_LONG_AHEAD steps ahead; 0: off
 GEMV_LONG_TILE = (4, 512)
 GEMV_LONG_AHEAD = 1

@@ -254,3 +254,21 @@ def test_long_row_in_half_precision(tmp_path, gemv_forms):
         ref = model.double()(x.double())
     assert "b = b_next" in _matmul_source(path)
     assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3
+
+
+def test_persistent_tiles_widened_at_the_multiply(tmp_path, monkeypatch):
+    """GEMV_PERSISTENT_CAST_LATE (a --variant knob): the weight tiles stay half precision in
+    flight and are widened where they are multiplied; same results, ragged N and K over turns."""
+    from grace.aot import codegen
+    monkeypatch.setattr(codegen, "GEMV_PERSISTENT_CAST_LATE", True)
+    torch.manual_seed(11)
+    model = Proj(3000, 37).half()
+    x = torch.randn(1, 3000).half()
+    path = grace_compile(model.eval(), (x,), output=tmp_path / "m.grace", progress=False,
+                         sm_count={"sm_90": 2})
+    got = run_cases(path, {"r": {"x": x.numpy()}}, tmp_path)["r"]["out"]
+    with torch.no_grad():
+        ref = model.double()(x.double())
+    source = _matmul_source(path)
+    assert "b.to(tl.float32) * a" in source and "for turn in range(0, 5)" in source
+    assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3
