@@ -124,6 +124,11 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> list[dict]:
     time is computed in start order, so a swap moves time between siblings only."""
     nodes = graph["nodes"]
     per_call = len(nodes)
+    names = {kernels[node["kernel"]]["name"] for node in nodes}
+    others = [s for s in spans if s[0] not in names]
+    spans = [s for s in spans if s[0] in names]
+    if others and len(spans) != per_call * iters:
+        raise SystemExit(f"kernels of no graph node ran too: {sorted({s[0] for s in others})[:5]}")
     if len(spans) != per_call * iters:
         raise SystemExit(f"profile saw {len(spans)} kernels for {iters} calls of a {per_call}-node "
                          "graph: other GPU work ran in this process, or nodes are not kernels")
