@@ -432,9 +432,10 @@ def matmul(kernel: Kernel, w: Writer):
         w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
         w.emit(f"rn = tl.program_id(1) * {bn} + tl.arange(0, {bn})")
         if split > 1:
-            # split-K: program z handles batch z // split and the K range (z % split) * chunk
-            w.emit(f"bz = tl.program_id(2) // {split}")
-            w.emit(f"k_lo = (tl.program_id(2) % {split}) * {chunk}")
+            # split-K: program z handles batch z % batch and the K range (z // batch) * chunk,
+            # and stores its partial sums at z: the reduction reads them as [split, batch, m, n]
+            w.emit(f"bz = tl.program_id(2) % {batch}")
+            w.emit(f"k_lo = (tl.program_id(2) // {batch}) * {chunk}")
         else:
             w.emit("bz = tl.program_id(2)")
             w.emit("k_lo = 0")

@@ -104,6 +104,20 @@ def test_split_k_gemm(tmp_path):
     check(model, lambda: (torch.randn(2, 2048),), tmp_path)
 
 
+def test_split_k_of_a_batched_matmul(tmp_path):
+    """Split-K over a batch: the partial sums of batch b, K range s sit at [s, b] where the
+    reduction reads them (they were stored at b * split + s, summing other batches' partials:
+    fixed in the twelfth session)."""
+    from grace.aot import codegen
+    assert codegen.gemm_plan(16, 32, 4096, 3, 4, 132).split > 1
+
+    class Bmm(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.bmm(a, b)
+
+    check(Bmm(), lambda: (torch.randn(3, 16, 4096), torch.randn(3, 4096, 32)), tmp_path)
+
+
 def test_attention_longer_than_one_key_block(tmp_path):
     """Key loops of several blocks, a partial last block, causal skipping and an additive mask."""
     class Attn(torch.nn.Module):
