@@ -3,7 +3,8 @@ import pytest
 
 from grace.tools.profile_kernels import format_timeline, timeline
 
-KERNELS = [{"name": "table_writer"}, {"name": "mean_k"}, {"name": "gemv_k"}, {"name": "put_k"}]
+KERNELS = [{"name": "table_writer"}, {"name": "mean_k"}, {"name": "gemv_k", "family": "matmul"},
+           {"name": "put_k"}]
 W = {"region": "weights", "offset": 0, "nbytes": 4_000_000}
 GRAPH = {"name": "seq=1", "nodes": [
     {"kernel": 0, "args": [], "label": "table_writer"},
@@ -11,7 +12,7 @@ GRAPH = {"name": "seq=1", "nodes": [
     {"kernel": 2, "args": [W], "label": "mm"},
     {"kernel": 3, "args": [], "label": "index_put"},      # beside the second one
     {"kernel": 3, "args": [], "label": "index_put_1"},
-    {"kernel": 2, "args": [W], "label": "mm_1"},
+    {"kernel": 2, "args": [W], "label": "mm_1+add_17"},
 ]}
 
 
@@ -32,9 +33,10 @@ def test_exposed_times_add_up_to_the_span():
     assert exposed == [1.0, 2.0, 3.0, 1.0, 1.0, 2.0]
     assert sum(exposed) == span
     text = format_timeline(rows, top=3)
-    mm = next(line for line in text.splitlines() if line.startswith("mm "))
-    # two GEMVs of 4 MB in 5 µs exposed: 1.6 TB/s
-    assert mm.split()[1:3] == ["2", "5.0"] and mm.split()[-1] == "1.60"
+    groups = {line.split()[0]: line.split() for line in text.splitlines()[2:6]}
+    # a GEMV of 4 MB in 3 µs exposed, another (its residual add fused) in 2 µs
+    assert groups["mm"][1:3] == ["1", "3.0"] and groups["mm"][-1] == "1.33"
+    assert groups["mm+add"][1:3] == ["1", "2.0"] and groups["mm+add"][-1] == "2.00"
     assert "index_put " in text and "index_put_1" not in text.split("the 3 nodes")[0]
 
 

@@ -16,12 +16,14 @@ order, the time by which it moved the call's finishing line (its end minus the l
 kernels before it, never negative), averaged over the iterations. These "exposed" times add up to
 the call's GPU span, so with `--as-built` they show what each kernel costs the call under PDL:
 its own streaming, its boundary, and any wait it could not hide. Nodes are grouped by label
-(`mm_3`, `mean_1` ... the FX node names, numbered suffixes dropped) with the weight bytes each
-reads, so a GEMV's rate in the graph is bytes / exposed time.
+(`mm_3`, `mean_1`, `mm_74+add_3023` ... the FX node names, numbered suffixes dropped) with the
+weight bytes each GEMM/GEMV streams, so its rate in the graph is bytes / exposed time.
+`--json FILE` keeps every node's row.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections import defaultdict
 
@@ -39,6 +41,7 @@ def main(argv=None):
     ap.add_argument("--timeline", action="store_true",
                     help="per node label: the time each kernel adds to the call's GPU span (see "
                          "the module docstring); pair with --as-built for PDL packages")
+    ap.add_argument("--json", metavar="FILE", help="with --timeline: every node's row as JSON")
     ap.add_argument("--fill", action="append", default=[], metavar="NAME=VALUE",
                     help="an integer input filled with VALUE instead of random values (repeatable),"
                          " e.g. a decode position: --fill input_pos=1000")
@@ -84,8 +87,13 @@ def main(argv=None):
         sess.sync()
     if args.timeline:
         graph = next(g for g in pkg.manifest["graphs"] if g["name"] == sess.last_graph)
-        print(format_timeline(timeline(graph, pkg.manifest["kernels"], _kernel_spans(prof),
-                                       args.iters), args.top))
+        rows = timeline(graph, pkg.manifest["kernels"], _kernel_spans(prof), args.iters)
+        print(format_timeline(rows, args.top))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"package": args.package, "graph": graph["name"],
+                           "as_built": args.as_built, "iters": args.iters, "rows": rows}, f,
+                          indent=1)
         return
     per = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
@@ -110,8 +118,9 @@ def _kernel_spans(prof) -> list[tuple[str, float, float]]:
 
 
 def _label_group(label: str) -> str:
-    """`mm_12` -> `mm`: FX numbers repeated nodes; one group per kind of node."""
-    return re.sub(r"_\d+$", "", label)
+    """`mm_12` -> `mm`, `mm_74+add_3023` -> `mm+add`: FX numbers repeated nodes, and a fused
+    kernel's label joins its nodes' with `+`; one group per kind of kernel."""
+    return "+".join(re.sub(r"_\d+$", "", part) for part in label.split("+"))
 
 
 def timeline(graph: dict, kernels: list, spans, iters: int) -> list[dict]:
@@ -157,6 +166,7 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> list[dict]:
                       if isinstance(a, dict) and a.get("region") == "weights")
         rows.append({"node": i, "label": node.get("label", "?"),
                      "kernel": kernels[node["kernel"]]["name"], "grid": node.get("grid"),
+                     "family": kernels[node["kernel"]].get("family"),
                      "weights_nbytes": weights, "exposed_us": exposed[i] / iters,
                      "programmatic": bool(node.get("programmatic"))})
     rows.append({"span_us": span_us / iters})
@@ -171,10 +181,11 @@ def format_timeline(rows, top: int) -> str:
         g = groups[_label_group(r["label"])]
         g[0] += 1
         g[1] += r["exposed_us"]
-        g[2] += r["weights_nbytes"]
+        # a rate only where the weights are streamed whole (a gather reads rows of its table)
+        g[2] += r["weights_nbytes"] if r.get("family") == "matmul" else 0
     lines = [f"GPU span per call {span:.1f} us over {len(rows)} nodes "
              f"(sum of exposed times {sum(r['exposed_us'] for r in rows):.1f} us)",
-             f"{'group':<32}{'nodes':>6}{'exposed us':>12}{'share':>8}{'us/node':>9}{'weights MB':>12}"
+             f"{'group':<32}{'nodes':>6}{'exposed us':>12}{'share':>8}{'us/node':>9}{'matmul MB':>12}"
              f"{'TB/s':>7}"]
     for name, (count, us, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
         rate = f"{nbytes / us / 1e6:.2f}" if nbytes and us else "-"
