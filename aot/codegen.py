@@ -522,10 +522,17 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
 
     `plan.ahead`: each K step loads the next step's weight tile before it sums its own, so a
     program with many K steps (a down projection's long K) keeps two tiles in flight: Triton's
-    num_stages pipelines only loads that feed a dot."""
+    num_stages pipelines only loads that feed a dot.
+
+    `plan.split` (GEMV_SPLIT_MIN_K): program (i, z) sums the K range (z // batch) * chunk of
+    batch z % batch into the float32 partial row z, which a reduction kernel sums with the
+    epilogue (lowering emits it). A GEMV of few output rows and a long K (Llama-3.2-1B's down
+    projection: 512 programs walking 8 serial K steps, 2.5 TB/s in the decode graph) gets more
+    programs with fewer steps each, so more weights are in flight."""
     spec = kernel.spec
     n, k, batch = spec.n, spec.k, spec.batch
-    bn, bk = plan.bn, plan.bk
+    bn, bk, split = plan.bn, plan.bk, plan.split
+    chunk = k // split
     ext = kernel.ext or (None, None, None)
     k_ext = spec.k_ext
     skip_k = k_ext is not None and is_prefix(k_ext)
@@ -537,7 +544,11 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
 
     def ids():
         w.emit(f"rn = tl.program_id(0) * {bn} + tl.arange(0, {bn})")
-        w.emit("bz = tl.program_id(1)")
+        if split > 1:
+            w.emit(f"bz = tl.program_id(1) % {batch}")
+            w.emit(f"k_lo = (tl.program_id(1) // {batch}) * {chunk}")
+        else:
+            w.emit("bz = tl.program_id(1)")
         w.emit(f"zero_a = tl.zeros([1, {bk}], tl.int32)")
 
     def operand(op: str, kk: str, rk: str = "rk", var: str | None = None) -> str:
@@ -589,8 +600,9 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         w.emit(f"rk_next = tl.arange(0, {bk})")
         operand("b", "next", rk="rk_next", var="b_next")
 
-    steps = cdiv(k, bk)
+    steps = cdiv(chunk, bk)
     early_steps = 0 if ahead or not early else min(steps, GEMV_PREFETCH_STEPS)
+    lo = "k_lo + " if split > 1 else ""   # where this program's K range starts
     ready = []
     if early:
         with w.before_wait():
@@ -598,7 +610,7 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
             if ahead:
                 first_weights()
             for i in range(early_steps):
-                w.emit(f"rk = {f'{i * bk} + ' if i else ''}tl.arange(0, {bk})")
+                w.emit(f"rk = {lo}{f'{i * bk} + ' if i else ''}tl.arange(0, {bk})")
                 ready.append({op: operand(op, f"early{i}") for op in early})
     else:
         ids()
@@ -612,14 +624,14 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         _row_stat(w, spec)
     w.emit(f"acc = tl.zeros([{bn}, {bk}], tl.float32)")
     for i, got in enumerate(ready):
-        k_step(str(i * bk), got)
+        k_step(f"{lo}{i * bk}", got)
     if early_steps < steps:
-        w.emit(f"for kk in range({early_steps * bk}, {k}, {bk}):")
+        w.emit(f"for kk in range({early_steps * bk}, {chunk}, {bk}):")   # static trip count
         w.indent += 1
         if skip_k:
             w.emit(f"if kk < {w.extent(true_size(k_ext, 0))}:")
             w.indent += 1
-        k_step("kk", {})
+        k_step(f"{lo}kk", {})
         w.indent -= 2 if skip_k else 1
     w.emit("acc_n = tl.sum(acc, axis=1)")
     if in_loop:
@@ -629,11 +641,13 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     mask = _mask(w, "mask", None if n % bn == 0 else f"(rn < {n})",
                  _dim_valid(w, ext[2], "rn"), _dim_valid(w, ext[0], "bz"))
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
-    ctx = Ctx(w, (batch, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)", mask=mask,
-              zero="zero")
+    if split > 1:
+        w.emit("bz = tl.program_id(1)")   # partial sums: [split * batch, 1, n], split-major
+    ctx = Ctx(w, (batch * split, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)",
+              mask=mask, zero="zero")
     value = ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bn}]")
-    return (cdiv(n, bn), batch, 1), GEMV_WARPS, GEMV_STAGES
+    return (cdiv(n, bn), batch * split, 1), GEMV_WARPS, GEMV_STAGES
 
 
 def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
@@ -817,6 +831,14 @@ GEMV_PERSISTENT_WARPS = 8
 # registers of two fp32 tiles (2 x 4096 at 8 warps: 32 a thread each), so more programs can be
 # resident beside a PDL predecessor. Off until timed in the decode graph (--variant).
 GEMV_PERSISTENT_CAST_LATE = False
+# Split-K for a GEMV of K >= GEMV_SPLIT_MIN_K (0: off) while it stays within GEMV_SPLIT_PER_SM
+# programs per SM (even K chunks only): its partial rows are summed by a reduction kernel that
+# applies the epilogue. For GEMVs whose few programs walk long rows serially: in the Llama-3.2-1B
+# decode graph on the H200 the down projection (2048 x 8192: 512 programs of 8 K steps) streamed
+# 2.5 TB/s, the gate+up GEMVs (4096 programs of 2 steps) 3.6-4.2 (profile_kernels --timeline,
+# docs/performance.md, 2026-12-03). Off until timed in that graph (bench_decode --variant).
+GEMV_SPLIT_MIN_K = 0
+GEMV_SPLIT_PER_SM = 16
 GEMV_LONG_K = 0         # past this K: GEMV_LONG_TILE tiles, GEMV_LONG_AHEAD steps ahead; 0: off
 GEMV_LONG_TILE = (4, 512)
 GEMV_LONG_AHEAD = 1
@@ -850,7 +872,12 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
             bn, bk = min(GEMV_LONG_TILE[0], max(2, next_pow2(n))), GEMV_LONG_TILE[1]
             ahead = GEMV_LONG_AHEAD
         if cdiv(n, bn) * batch >= sm_count // 2 or k <= 8192:
-            return GemmPlan(1, bn, bk, 1, gemv=True, ahead=ahead)
+            split = 1
+            if GEMV_SPLIT_MIN_K and k >= GEMV_SPLIT_MIN_K and not ahead:
+                while (cdiv(n, bn) * batch * split * 2 <= GEMV_SPLIT_PER_SM * sm_count
+                       and k % (split * 2 * bk) == 0):
+                    split *= 2
+            return GemmPlan(1, bn, bk, split, gemv=True, ahead=ahead)
     # (32, 32) is left out: with tf32x3 and a deep K step it ran 2-5x slower than both its
     # neighbours on the H200 (docs/performance.md, run 8).
     fits = [(bm, bn) for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64), (64, 32),

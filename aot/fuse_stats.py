@@ -126,8 +126,8 @@ def _gemv_reader(red: Kernel, kernels: list[Kernel], i: int) -> int | None:
     spec = g.spec
     if not isinstance(spec, Matmul) or not spec.plan.gemv or spec.stat is not None:
         return None
-    if spec.plan.programs:   # the persistent GEMV (codegen._gemv_persistent) has no stat pass
-        return None
+    if spec.plan.programs or spec.plan.split > 1:
+        return None   # the persistent GEMV has no stat pass; a split one sees part of the row
     if any(ld.buf.index == red.out.index for e in (g.epilogue, spec.b) for ld in loads(e)):
         return None
     if not _reads_plainly(spec.a, red.out):

@@ -272,3 +272,57 @@ def test_persistent_tiles_widened_at_the_multiply(tmp_path, monkeypatch):
     source = _matmul_source(path)
     assert "b.to(tl.float32) * a" in source and "for turn in range(0, 5)" in source
     assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3
+
+
+@pytest.fixture
+def gemv_split(monkeypatch):
+    """Split-K GEMVs (off by default: codegen.GEMV_SPLIT_MIN_K) for K >= 8192."""
+    from grace.aot import codegen
+    monkeypatch.setattr(codegen, "GEMV_SPLIT_MIN_K", 8192)
+
+
+def test_split_gemv_sums_partials_in_a_reduction(tmp_path, gemv_split):
+    """K 8192 over 2 multiprocessors: 10 programs of 4 rows (N 37, the last ragged) split K in
+    2 chunks of 4 steps; the reduction applies GELU and the residual. The first step of each
+    chunk's weights before gdc_wait(), nothing else."""
+    from grace.aot import codegen
+    from grace.formats.races import check_pre_wait
+
+    assert codegen.gemm_plan(1, 37, 8192, 1, 4, 2).split == 2
+    torch.manual_seed(12)
+    path = _check(Proj(8192, 37), {"x": torch.randn(1, 8192)}, tmp_path, tol=1e-5,
+                  sm_count={"sm_90": 2})
+    assert check_pre_wait(read_package(path)) == []
+    assert _kernels(path) == ["table_writer", "matmul", "reduction"]
+    before, after = _matmul_source(path).split("gdc_wait()")
+    assert "k_lo = (tl.program_id(1) // 1) * 4096" in before and "rk = k_lo + tl.arange" in before
+    assert "for kk in range(1024, 4096, 1024)" in after and "rk = k_lo + kk + tl.arange" in after
+
+
+def test_split_gemv_of_a_batch_in_half_precision(tmp_path, gemv_split):
+    """Batched rows: partial row z is batch z % 3 of chunk z // 3, where the reduction reads
+    [split, batch]; half-precision operands, float32 partials."""
+    torch.manual_seed(13)
+    a, b = torch.randn(3, 1, 8192).half(), (torch.randn(3, 8192, 24) / 90).half()
+    path = grace_compile(Batched(), (a, b), output=tmp_path / "m.grace", progress=False,
+                         sm_count={"sm_90": 4})   # 18 programs, split 2
+    assert _kernels(path) == ["table_writer", "matmul", "reduction"]
+    assert "bz = tl.program_id(1) % 3" in _matmul_source(path)
+    got = run_cases(path, {"r": {"a": a.numpy(), "b": b.numpy()}}, tmp_path)["r"]["out"]
+    ref = torch.bmm(a.double(), b.double()).numpy()
+    assert got.dtype == np.float16 and rel_err(got, ref) < 2e-3
+
+
+def test_split_gemv_leaves_dynamic_k_whole(tmp_path, gemv_split):
+    """A K the table sizes (a softmax row of a bucketed length times values) is never split:
+    its partial chunks would depend on the extent."""
+    class Mix(torch.nn.Module):
+        def forward(self, p, v):
+            return torch.softmax(p, dim=-1) @ v
+
+    t = Dim("t", min=2, max=8192)
+    torch.manual_seed(14)
+    runs = [{"p": torch.randn(1, n), "v": torch.randn(n, 8)} for n in (8192, 5000)]
+    path = _check(Mix(), runs[0], tmp_path, dynamic_shapes={"p": {1: t}, "v": {0: t}},
+                  buckets={"t": [8192]}, runs=runs, tol=1e-5, sm_count={"sm_90": 2})
+    assert "k_lo" not in _matmul_source(path)
