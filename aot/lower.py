@@ -759,13 +759,30 @@ def _channels_last_order(tv: TV):
 
 
 def _worth_sharing(tv: TV) -> bool:
-    """A value with several readers is stored once if recomputing it would cost real work."""
+    """A value with several readers is stored once if recomputing it would cost real work:
+    transcendentals, more than a handful of ops, or (SHARE_MIN_READS) reading that many
+    activations, which each reader would read again."""
     size = 0
     for node in walk(tv.expr):
         size += 1
         if isinstance(node, Op) and node.op in COSTLY:
             return True
+    if SHARE_MIN_READS and len({ld.buf.index for ld in loads(tv.expr)
+                                if ld.buf.kind in ("arena", "state", "input")}) >= SHARE_MIN_READS:
+        return True
     return size > 6
+
+
+# Store a value of several readers once its expression reads this many activations (0: off). A
+# decode step's residual stream, x + attention(x) + mlp(...), is an add of two loads, under the
+# size rule above until the chain of adds outgrows it: in the Llama-1B decode graph it was stored
+# every third layer, so the norms and GEMVs in between read two or three vectors per element, and
+# a GEMV's 4096 programs each read them again: its gate+up GEMVs took 16.0 us (one vector),
+# 18.3 (two) and 18.9 (three) on the H200 (profile_kernels --timeline, docs/performance.md,
+# 2026-12-03). Stored, the add becomes the epilogue of the GEMV that produced its last term (no
+# extra kernel). Off until timed (bench_decode --variant share:lower.SHARE_MIN_READS=2): it also
+# changes encoders, whose residual adds would then be stored too.
+SHARE_MIN_READS = 0
 
 
 def lower(program: ExportedProgram, name: str = "model", options: dict | None = None,

@@ -1,0 +1,89 @@
+"""Decode-graph knobs that are off by default until timed on the H200 (`bench_decode --variant`),
+through the CPU reference executor: logits against eager over a prompt and decode steps, the race
+proof, and the graph shape each knob promises.
+
+- split-K GEMVs (codegen.GEMV_SPLIT_MIN_K): the down projection's partial rows are summed by a
+  reduction kernel;
+- a shared residual stream (lower.SHARE_MIN_READS): every residual add is stored by the GEMV
+  that computes its last term, so norms and GEMV rows read one vector, with no extra kernel."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+from torch.export import Dim  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.formats import races, read_package  # noqa: E402
+from grace.tools.interpret import InterpretSession  # noqa: E402
+from grace.tools.models import CachedLlama  # noqa: E402
+from grace.tools.variants import applied, parse_variant  # noqa: E402
+
+MAX_SEQ = 16
+
+
+def _compile(tmp_path, variant, name):
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden=2048,
+                        max_seq=MAX_SEQ).eval()
+    t = Dim("seq", min=1, max=MAX_SEQ)
+    with applied(parse_variant(variant) if variant else None):
+        path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                             output=tmp_path / f"{name}.grace", progress=False,
+                             fp32_matmul="ieee", dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                             buckets={"seq": [1, MAX_SEQ]}, sm_count={"sm_90": 2})
+    return model, path
+
+
+def _decode_graph(path):
+    pkg = read_package(path)
+    m = pkg.manifest
+    assert races.check_races(m) == [] and races.check_pre_wait(pkg) == []
+    g = next(g for g in m["graphs"] if g["name"] == "seq=1")
+    return pkg, g, [m["kernels"][n["kernel"]] for n in g["nodes"]]
+
+
+def _check_against_eager(model, path):
+    idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    sess = InterpretSession(path)
+    with torch.no_grad():
+        model.reset_cache()
+        for lo, hi in ((0, 6), (6, 7), (7, 8), (8, 9)):
+            ref = model(idx[:, lo:hi], torch.arange(lo, hi)).double().numpy()
+            got = sess.run({"idx": idx[:, lo:hi].numpy(), "input_pos": np.arange(lo, hi)})["out"]
+            err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+            assert err < 1e-5, (lo, hi, err)
+
+
+def test_split_down_projection_in_a_decode_step(tmp_path):
+    model, path = _compile(tmp_path, "split:codegen.GEMV_SPLIT_MIN_K=2048", "split")
+    pkg, graph, kernels = _decode_graph(path)
+    split = [i for i, k in enumerate(kernels) if k["family"] == "matmul"
+             and "k_lo = " in bytes(pkg.section(k["source"])).decode()]
+    assert len(split) == 3   # the layers' down projections (K 2048; the rest is K 64)
+    for i in split:          # each followed by the reduction of its partial rows
+        assert kernels[i + 1]["family"] == "reduction"
+    _check_against_eager(model, path)
+
+
+def _arena_args(node) -> int:
+    return sum(1 for a in node["args"] if isinstance(a, dict) and a.get("region") == "arena")
+
+
+def test_shared_residual_stream_in_a_decode_step(tmp_path):
+    """Off, the residual adds chain in the readers' expressions until one outgrows the size
+    rule; on, every layer's two adds are the epilogues of its output and down projections, the
+    kernel count is unchanged, and every norm statistic reads one vector (and writes one)."""
+    _, plain = _compile(tmp_path, None, "plain")
+    model, path = _compile(tmp_path, "share:lower.SHARE_MIN_READS=2", "share")
+    _, g_off, k_off = _decode_graph(plain)
+    _, g_on, k_on = _decode_graph(path)
+    assert len(k_on) == len(k_off)
+    fused = [n["label"] for n in g_on["nodes"] if "+add" in n["label"]]
+    assert len(fused) == 2 * 3, fused
+    means = [n for n, k in zip(g_on["nodes"], k_on) if n["label"].startswith("mean")]
+    assert means and all(_arena_args(n) == 2 for n in means)
+    assert max(_arena_args(n) for n in g_off["nodes"] if n["label"].startswith("mean")) > 2
+    _check_against_eager(model, path)
