@@ -516,9 +516,9 @@ def matmul(kernel: Kernel, w: Writer):
 def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     """One row of A (a decode step, a batch-1 vector): each program streams `bn` rows of the
     weights through a [bn, bk] fp32 accumulator, reduced once after the K loop. No tensor cores
-    (a 1-row MMA tile wastes 15/16 of them) and no split-K (a program per `bn` output columns
-    gives enough programs, and no second kernel to sum partials): on the H200 this beat cuBLAS
-    on every Llama decode shape (docs/gemv-sweep-2026-12-01.json).
+    (a 1-row MMA tile wastes 15/16 of them) and, by default, no split-K (a program per `bn`
+    output columns gives enough programs, and no second kernel to sum partials): on the H200
+    this beat cuBLAS on every Llama decode shape (docs/gemv-sweep-2026-12-01.json).
 
     `plan.ahead`: each K step loads the next step's weight tile before it sums its own, so a
     program with many K steps (a down projection's long K) keeps two tiles in flight: Triton's
@@ -821,7 +821,8 @@ GEMV_TILE = 4096   # weight elements per program per K step (rows = GEMV_TILE //
 # decode graph, behind programmatic edges (2026-12-03, bench_decode --variant), ms/token: neither
 # 4.578, long row 4.734, both 4.994, both at 2 per SM 4.680; then in one later run neither 4.574,
 # persistent at 2 per SM 4.472 (the default), at 1 per SM 5.607. At K = 2048 (the 1B's GEMVs) the
-# persistent form tied or lost alone (gate+up 17.8 -> 18.5), so the template keeps those.
+# persistent form tied or lost alone (gate+up 17.8 -> 18.5) and lost in the Llama-1B decode graph
+# (2 per SM: 0.973 -> 1.134 ms/token, 2026-12-03), so the template keeps those.
 GEMV_PERSISTENT_MIN_K = 2049
 GEMV_PERSISTENT_MAX_K = 4096
 GEMV_PERSISTENT_ROWS = 2
