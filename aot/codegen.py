@@ -905,14 +905,28 @@ def attention(kernel: Kernel, w: Writer):
     b, h, lq, lk, d, dv = p.b, p.h, p.lq, p.lk, p.d, p.dv
     dot_t = _dot_dtype(p.q, p.k, p.v)
     tl_dot = TL_TYPE[dot_t]
-    bm, bn, split = p.plan.bm, p.plan.bn, p.plan.split
+    bm, bn, split, pack = p.plan.bm, p.plan.bn, p.plan.split, p.plan.pack
     chunk = lk // split
     bd, bdv = max(16, next_pow2(d)), max(16, next_pow2(dv))
     prec = f", input_precision=\"{p.fp32_precision}\"" if dot_t == "float32" else ""
-    w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
-    w.emit("bh = tl.program_id(1)")
-    w.emit(f"ib = bh // {h}")
-    w.emit(f"ih = bh % {h}")
+    # the query rows' head and row: one head per program, or (pack > 1) a key/value head's query
+    # heads packed as rows (head ig * pack + rm // lq, row rm % lq); `ih` is where keys and values
+    # are read, the same head for every query head of the group (their head map is h // pack)
+    heads, rows_q = "ih", "rm"
+    if pack > 1:
+        w.emit(f"rm = tl.arange(0, {bm})")
+        w.emit("grp = tl.program_id(1)")
+        w.emit(f"ib = grp // {h // pack}")
+        w.emit(f"ih = (grp % {h // pack}) * {pack}")
+        w.emit(f"ihr = ih + rm // {lq}")
+        w.emit(f"rq = rm % {lq}")
+        heads, rows_q = "ihr[:, None]", "rq"
+    else:
+        w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
+        w.emit("bh = tl.program_id(1)")
+        w.emit(f"ib = bh // {h}")
+        w.emit(f"ih = bh % {h}")
+    lq_rows = lq * pack   # query rows a program's tile holds
     w.emit(f"rd = tl.arange(0, {bd})")
     w.emit(f"rdv = tl.arange(0, {bdv})")
     ext = kernel.ext or (None,) * 4
@@ -922,11 +936,11 @@ def attention(kernel: Kernel, w: Writer):
     _exit_beyond(w, ext[1], "ih")
     q_valid = _and_terms(_dim_valid(w, ext[2], "rm[:, None]"), _dim_valid(w, ext[0], "ib"),
                          _dim_valid(w, ext[1], "ih"))   # rows that are not padding
-    m_term = _and_terms(None if lq % bm == 0 else f"(rm[:, None] < {lq})", q_valid)
+    m_term = _and_terms(None if lq_rows % bm == 0 else f"(rm[:, None] < {lq_rows})", q_valid)
     d_term = None if d == bd else f"(rd[None, :] < {d})"
     mask_q = _mask(w, "mask_q", m_term, d_term)
     w.emit(f"zero_q = tl.zeros([{bm}, {bd}], tl.int32)")
-    qctx = Ctx(w, (b, h, lq, d), ["ib", "ih", "rm[:, None]", "rd[None, :]"], mask=mask_q,
+    qctx = Ctx(w, (b, h, lq, d), ["ib", heads, f"{rows_q}[:, None]", "rd[None, :]"], mask=mask_q,
                zero="zero_q")
     q = ExprEmitter(w).value(p.q, qctx)
     w.emit(f"q = {_masked(q, mask_q)}.to({tl_dot})")
@@ -966,11 +980,11 @@ def attention(kernel: Kernel, w: Writer):
         # the mask first: a key block it rules out entirely (False, or -inf when additive: a decode
         # step's keys past the current position in a static cache) contributes nothing to the
         # softmax, so it is skipped before its keys and values are loaded
-        w.emit(f"mask_s = (rm[:, None] < {lq}) & (rn[None, :] < {lk})"
+        w.emit(f"mask_s = (rm[:, None] < {lq_rows}) & (rn[None, :] < {lk})"
                + (f" & {q_valid}" if q_valid else "") + (f" & {kvalid}" if kvalid else ""))
         w.emit(f"zero_s = tl.zeros([{bm}, {bn}], tl.int32)")
-        sctx = Ctx(w, (b, h, lq, lk), ["ib", "ih", "rm[:, None]", "rn[None, :]"], mask="mask_s",
-                   zero="zero_s")
+        sctx = Ctx(w, (b, h, lq, lk), ["ib", heads, f"{rows_q}[:, None]", "rn[None, :]"],
+                   mask="mask_s", zero="zero_s")
         mv = ExprEmitter(w).value(p.mask, sctx)
         if p.mask.dtype == "bool":
             w.emit(f"keep = mask_s & ({mv} != 0)")
@@ -1014,7 +1028,8 @@ def attention(kernel: Kernel, w: Writer):
     w.indent -= 1 + bool(skips) + bool(masked_block)
     if split > 1:
         _store_attention_partial(w, kernel, split, m_term, bm, bdv)
-        return (cdiv(lq, bm), b * h, split), 4, 2
+        return (cdiv(lq_rows, bm), b * h // pack, split), 4, 2
+    assert pack == 1, "grouped-query heads are packed for split-KV only (attention_plan)"
     # a row whose keys are all masked out is 0, as torch's SDPA gives (left padding)
     w.emit("o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]")
     mask = _mask(w, "mask", m_term, None if dv == bdv else f"(rdv[None, :] < {dv})")
@@ -1052,24 +1067,39 @@ class AttentionPlan:
     bm: int          # query rows per program
     bn: int          # keys per step
     split: int       # key splits (split-KV: partials combined by attn_combine)
+    # grouped-query attention packed: the `pack` query heads that share a key/value head are one
+    # program's rows (pack * lq of them), so each key block is read once for the group; 1: none
+    pack: int = 1
 
 
 ATTN_SPLIT_PROGRAMS_PER_SM = 4   # split keys while the programs stay within this many per SM
+# Pack a decode step's grouped-query heads into one program (AttentionPlan.pack) when the
+# query heads per key/value head times the query rows fit one 16-row tile; 0: off. In the Llama-1B
+# decode graph on the H200 attention and its combine took 7.5 us a layer (profile_kernels
+# --timeline, docs/performance.md, 2026-12-03) with 512 programs each reading its own copy of its
+# key/value head's keys (4 query heads per key/value head). Off until timed in that graph
+# (bench_decode --variant gqa:codegen.ATTN_PACK_GQA=1).
+ATTN_PACK_GQA = 0
 
 
-def attention_plan(b: int, h: int, lq: int, lk: int, sm_count: int) -> AttentionPlan:
+def attention_plan(b: int, h: int, lq: int, lk: int, sm_count: int, rep: int = 1,
+                   packable: bool = False) -> AttentionPlan:
     """The tiles of an attention on a part with `sm_count` multiprocessors. Few query rows and a
     long key axis (a decode step over a static cache: one program per head would walk 2048 keys
     serially) split the keys over more programs, each leaving its normalised partial output and
-    log-sum-exp for a combining kernel (flash-decoding)."""
+    log-sum-exp for a combining kernel (flash-decoding). `rep`: query heads per key/value head
+    (grouped-query attention); `packable`: lowering allows them packed (ATTN_PACK_GQA)."""
     bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < sm_count // 2 else 32  # fill the chip
     bn = 16 if lk <= 16 else 32 if lk <= 32 else 64 if lk <= 64 else ATTN_MAX_BLOCK_N
-    programs = cdiv(lq, bm) * b * h
+    pack = rep if ATTN_PACK_GQA and packable and rep > 1 and rep * lq <= 16 else 1
+    programs = cdiv(lq * pack, bm) * b * (h // pack)
     split = 1
     while (programs * split * 2 <= ATTN_SPLIT_PROGRAMS_PER_SM * sm_count
            and lk % (split * 2 * bn) == 0 and lk // (split * 2) >= bn):
         split *= 2
-    return AttentionPlan(bm, bn, split)
+    if pack > 1 and split == 1:   # packing is for split-KV decode steps only
+        return attention_plan(b, h, lq, lk, sm_count)
+    return AttentionPlan(bm, bn, split, pack)
 
 
 def _store_attention_partial(w: Writer, kernel: Kernel, split: int, m_term, bm: int, bdv: int):
@@ -1077,13 +1107,16 @@ def _store_attention_partial(w: Writer, kernel: Kernel, split: int, m_term, bm: 
     no key), into the float32 partial buffer: [split, b*h, lq, dv] outputs, then
     [split, b*h, lq] log-sum-exps."""
     p = kernel.spec
-    bh, lq, dv = p.b * p.h, p.lq, p.dv
+    bh, lq, dv, pack = p.b * p.h, p.lq, p.dv, p.plan.pack
     ptr = w.ptr(kernel.out)
     w.emit("seen = l_i > 0")
     w.emit("o = acc / tl.where(seen, l_i, 1.0)[:, None]")
     w.emit("lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -float(\"inf\"))")
-    w.emit(f"row = (tl.program_id(2) * {bh} + bh) * {lq} + rm")
-    rows = _and_terms(None if lq % bm == 0 else f"(rm < {lq})")
+    if pack > 1:   # each row its own query head (attention())
+        w.emit(f"row = (tl.program_id(2) * {bh} + ib * {p.h} + ihr) * {lq} + rq")
+    else:
+        w.emit(f"row = (tl.program_id(2) * {bh} + bh) * {lq} + rm")
+    rows = _and_terms(None if (lq * pack) % bm == 0 else f"(rm < {lq * pack})")
     mask = _mask(w, "mask", m_term, None if p.dv == bdv else f"(rdv[None, :] < {dv})")
     w.emit(f"tl.store({ptr} + row[:, None] * {dv} + rdv[None, :], o"
            + (f", mask={mask})" if mask != "None" else ")"))

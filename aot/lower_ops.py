@@ -763,6 +763,7 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     q4, k4, v4 = as4d(q), as4d(k), as4d(v)
     b, h, lq, d = q4.shape
     hk, lk, dv = k4.shape[1], k4.shape[2], v4.shape[3]
+    rep = 1
     if hk != h:
         if not enable_gqa or h % hk:
             raise LoweringError(f"query has {h} heads but key/value have {hk}")
@@ -781,7 +782,11 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         while len(m4.shape) < 4:
             m4 = views.unsqueeze(m4, 0)
         mask = views.expand(m4, (b, h, lq, lk)).expr
-    plan = attention_plan(b, h, lq, lk, L.options["sm_count"])
+    # grouped heads may share a program when nothing about the queries is dynamic and no causal
+    # rule ties a row's position to its tile (codegen.ATTN_PACK_GQA)
+    packable = (rep > 1 and not is_causal
+                and all(q4.dim_ext(i) is None for i in range(3)))
+    plan = attention_plan(b, h, lq, lk, L.options["sm_count"], rep=rep, packable=packable)
     spec = Attention(q=q4.expr, k=k4.expr, v=v4.expr, b=b, h=h, lq=lq, lk=lk, d=d, dv=dv,
                      causal=bool(is_causal),
                      scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),

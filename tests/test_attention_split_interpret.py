@@ -137,3 +137,57 @@ def test_a_query_row_with_every_key_masked_is_zero(tmp_path, lk):
         mask[..., row, :] = False
         runs.append((q, k, v, mask))
     _run(Attend(), runs[0], tmp_path, runs)
+
+
+@pytest.fixture
+def packed(monkeypatch):
+    """Grouped-query heads packed into one program's rows (codegen.ATTN_PACK_GQA, off by
+    default until timed on the H200)."""
+    from grace.aot import codegen
+    monkeypatch.setattr(codegen, "ATTN_PACK_GQA", 1)
+
+
+def _attention_source(path) -> str:
+    pkg = read_package(path)
+    return next(bytes(pkg.section(k["source"])).decode() for k in pkg.manifest["kernels"]
+                if k["family"] == "attention")
+
+
+def test_packing_is_planned_for_grouped_decode_steps_only(packed):
+    sms = DEFAULT_OPTIONS["sm_count"]
+    plan = attention_plan(1, 32, 1, 2048, sms, rep=4, packable=True)
+    assert (plan.pack, plan.split) == (4, 16)     # 8 groups x 16 splits of 128 keys
+    assert attention_plan(1, 32, 1, 2048, sms, rep=4).pack == 1            # lowering said no
+    assert attention_plan(1, 32, 5, 2048, sms, rep=4, packable=True).pack == 1   # 20 rows
+    assert attention_plan(1, 32, 1024, 2048, sms, rep=4, packable=True).pack == 1  # prefill
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_packed_gqa_decode_over_a_partly_filled_cache(tmp_path, packed, additive):
+    """4 query heads per key/value head in one program: each row's own head and mask, whole
+    splits ruled out, the epilogue in the combine; logits as unpacked."""
+    torch.manual_seed(2)
+    lk = 1024
+    runs = []
+    for pos in (0, 130, 700, lk - 1):
+        q, k, v = _qkv(1, 8, 2, 1, lk, 32)
+        runs.append((q, k, v, _valid_upto(1, lk, pos, additive)))
+    path = _run(Attend(gqa=True, epilogue=True), runs[0], tmp_path, runs)
+    src = _attention_source(path)
+    assert "ihr = ih + rm // 1" in src and "grp = tl.program_id(1)" in src
+    assert _families(path)[-1] == "attn_combine"
+
+
+def test_packed_gqa_with_several_query_rows_in_half_precision(tmp_path, packed):
+    """3 query rows x 4 heads = 12 packed rows of a 16-row tile (4 padding rows), a mask per
+    query row and head, float16."""
+    torch.manual_seed(3)
+    lk = 512
+    runs = []
+    for pos in (3, 300):
+        q, k, v = _qkv(2, 8, 2, 3, lk, 24, dtype=torch.float16)
+        mask = _valid_upto(3, lk, pos, additive=False).expand(2, 8, 3, lk).clone()
+        mask[1, 5, 2, :pos // 2] = False       # one head of one batch sees fewer keys
+        runs.append((q, k, v, mask))
+    path = _run(Attend(gqa=True), runs[0], tmp_path, runs, tol=2e-3)
+    assert "rq = rm % 3" in _attention_source(path)

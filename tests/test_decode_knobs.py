@@ -5,7 +5,8 @@ proof, and the graph shape each knob promises.
 - split-K GEMVs (codegen.GEMV_SPLIT_MIN_K): the down projection's partial rows are summed by a
   reduction kernel;
 - a shared residual stream (lower.SHARE_MIN_READS): every residual add is stored by the GEMV
-  that computes its last term, so norms and GEMV rows read one vector, with no extra kernel."""
+  that computes its last term, so norms and GEMV rows read one vector, with no extra kernel;
+- grouped-query heads packed into one attention program (codegen.ATTN_PACK_GQA)."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,10 +25,10 @@ from grace.tools.variants import applied, parse_variant  # noqa: E402
 MAX_SEQ = 16
 
 
-def _compile(tmp_path, variant, name):
+def _compile(tmp_path, variant, name, max_seq=MAX_SEQ, hidden=2048, n_heads=4):
     torch.manual_seed(0)
-    model = CachedLlama(vocab=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden=2048,
-                        max_seq=MAX_SEQ).eval()
+    model = CachedLlama(vocab=96, dim=64, n_layers=3, n_heads=n_heads, n_kv_heads=2,
+                        hidden=hidden, max_seq=max_seq).eval()
     t = Dim("seq", min=1, max=MAX_SEQ)
     with applied(parse_variant(variant) if variant else None):
         path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
@@ -86,4 +87,18 @@ def test_shared_residual_stream_in_a_decode_step(tmp_path):
     means = [n for n, k in zip(g_on["nodes"], k_on) if n["label"].startswith("mean")]
     assert means and all(_arena_args(n) == 2 for n in means)
     assert max(_arena_args(n) for n in g_off["nodes"] if n["label"].startswith("mean")) > 2
+    _check_against_eager(model, path)
+
+
+def test_packed_grouped_query_heads_in_a_decode_step(tmp_path):
+    """8 query heads over 2 key/value heads and a 256-slot cache: the decode step's attention
+    runs 2 programs per key split, one per key/value head, each with its 4 query heads as rows."""
+    model, path = _compile(tmp_path, "gqa:codegen.ATTN_PACK_GQA=1", "gqa", max_seq=256,
+                           hidden=96, n_heads=8)
+    pkg, graph, kernels = _decode_graph(path)
+    att = [(n, k) for n, k in zip(graph["nodes"], kernels) if k["family"] == "attention"]
+    assert len(att) == 3
+    for node, k in att:
+        assert node["grid"][1] == 2 and node["grid"][2] > 1
+        assert "ihr = ih + rm // 1" in bytes(pkg.section(k["source"])).decode()
     _check_against_eager(model, path)

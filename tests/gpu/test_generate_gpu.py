@@ -135,3 +135,44 @@ def test_appends_after_attention_change_no_value(tmp_path, dtype):
     assert got_tokens == want_tokens
     if dtype == torch.float32:
         assert got_tokens == model.greedy(prompt, NEW)
+
+
+KNOBS = {   # decode-graph knobs, off by default until timed (tests/test_decode_knobs.py on the CPU)
+    "split": "split:codegen.GEMV_SPLIT_MIN_K=2048",
+    "share": "share:lower.SHARE_MIN_READS=2",
+    "gqa": "gqa:codegen.ATTN_PACK_GQA=1",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("knob", sorted(KNOBS))
+def test_decode_knobs_keep_the_logits(tmp_path, knob, dtype):
+    """Split-K GEMVs (the down projection's K 2048 in 2 chunks), the shared residual stream and
+    packed grouped-query heads: prefill and decode logits as the default package's (fp32: to
+    summation order; bf16: to its rounding), NaN-poisoned sessions, and in fp32 generate() gives
+    eager's greedy tokens."""
+    from grace.tools.variants import applied, parse_variant
+
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, hidden=2048,
+                        max_seq=MAX_SEQ).eval().to(dtype)
+    kw = {"fp32_matmul": "ieee"} if dtype == torch.float32 else {}
+    with applied(parse_variant(KNOBS[knob])):
+        knobbed = load(_compile(model, tmp_path / f"{knob}.grace", **kw))
+    plain = load(_compile(model, tmp_path / "plain.grace", **kw))
+    prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for pkg in (knobbed, plain):
+        sess = pkg.session(poison=True)
+        logits = [torch.from_dlpack(sess.run(idx=prompt[None, :37].numpy(),
+                                             input_pos=np.arange(37))["out"]).float().cpu()]
+        for p in range(37, 40):
+            logits.append(torch.from_dlpack(sess.run(idx=prompt[None, p:p + 1].numpy(),
+                                                     input_pos=np.array([p]))["out"]).float().cpu())
+        outs.append((logits, sess.generate(prompt.numpy(), NEW).tolist()))
+    (got, got_tokens), (want, want_tokens) = outs
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all() and _rel(g, w) < tol
+    if dtype == torch.float32:
+        assert got_tokens == want_tokens == model.greedy(prompt, NEW)
