@@ -767,10 +767,18 @@ def _worth_sharing(tv: TV) -> bool:
         size += 1
         if isinstance(node, Op) and node.op in COSTLY:
             return True
-    if SHARE_MIN_READS and len({ld.buf.index for ld in loads(tv.expr)
-                                if ld.buf.kind in ("arena", "state", "input")}) >= SHARE_MIN_READS:
+    if (SHARE_MIN_READS and _rows(tv.shape) <= SHARE_MAX_ROWS
+            and len({ld.buf.index for ld in loads(tv.expr)
+                     if ld.buf.kind in ("arena", "state", "input")}) >= SHARE_MIN_READS):
         return True
     return size > 6
+
+
+def _rows(shape) -> int:
+    rows = 1
+    for size in shape[:-1]:
+        rows *= size
+    return rows
 
 
 # Store a value of several readers once its expression reads this many activations (0: off). A
@@ -780,9 +788,11 @@ def _worth_sharing(tv: TV) -> bool:
 # a GEMV's 4096 programs each read them again: its gate+up GEMVs took 16.0 us (one vector),
 # 18.3 (two) and 18.9 (three) on the H200 (profile_kernels --timeline, docs/performance.md,
 # 2026-12-03). Stored, the add becomes the epilogue of the GEMV that produced its last term (no
-# extra kernel). Off until timed (bench_decode --variant share:lower.SHARE_MIN_READS=2): it also
-# changes encoders, whose residual adds would then be stored too.
+# extra kernel). Only values of at most SHARE_MAX_ROWS rows (a decode step's, a batch-1
+# vector's): the evidence is from decode, and encoders keep their fusion. Off until timed
+# (bench_decode --variant share:lower.SHARE_MIN_READS=2).
 SHARE_MIN_READS = 0
+SHARE_MAX_ROWS = 16
 
 
 def lower(program: ExportedProgram, name: str = "model", options: dict | None = None,
