@@ -191,3 +191,18 @@ def test_packed_gqa_with_several_query_rows_in_half_precision(tmp_path, packed):
         runs.append((q, k, v, mask))
     path = _run(Attend(gqa=True), runs[0], tmp_path, runs, tol=2e-3)
     assert "rq = rm % 3" in _attention_source(path)
+
+
+def test_packed_gqa_over_a_dynamic_key_length(tmp_path, packed):
+    """Keys of a bucketed length (5, 300, 1024 in a 1024 bucket): padded key blocks skipped,
+    padded keys masked, for every packed head."""
+    torch.manual_seed(4)
+    s = Dim("s", min=1, max=1024)
+    runs = []
+    for lk in (5, 300, 1024):
+        q, k, v = _qkv(1, 8, 2, 1, lk, 16)
+        runs.append((q, k, v, torch.ones(1, 1, 1, lk, dtype=torch.bool)))
+    path = _run(Attend(gqa=True), runs[1], tmp_path, runs,
+                dynamic_shapes={"q": None, "k": {2: s}, "v": {2: s}, "mask": {3: s}},
+                buckets={"s": [1024]})
+    assert "attn_combine" in _families(path) and "ihr = " in _attention_source(path)
