@@ -113,17 +113,24 @@ def test_half_precision(tmp_path):
     assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3
 
 
-def test_dynamic_key_length(tmp_path):
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2)])   # plain; grouped, packed
+def test_dynamic_key_length(tmp_path, monkeypatch, heads):
+    """Keys of a bucketed length (5, 300, 1024 in a 1024 bucket): padded key blocks skipped,
+    padded keys masked; grouped-query heads packed into one program (ATTN_PACK_GQA) too."""
+    from grace.aot import codegen
+    monkeypatch.setattr(codegen, "ATTN_PACK_GQA", 1)
+    h, hk = heads
     torch.manual_seed(3)
     s = Dim("s", min=1, max=1024)
     runs = []
     for lk in (5, 300, 1024):
-        q, k, v = _qkv(1, 2, 2, 1, lk, 16)
+        q, k, v = _qkv(1, h, hk, 1, lk, 16)
         runs.append((q, k, v, torch.ones(1, 1, 1, lk, dtype=torch.bool)))
-    path = _run(Attend(), runs[1], tmp_path, runs,
+    path = _run(Attend(gqa=h != hk), runs[1], tmp_path, runs,
                 dynamic_shapes={"q": None, "k": {2: s}, "v": {2: s}, "mask": {3: s}},
                 buckets={"s": [1024]})
     assert "attn_combine" in _families(path)
+    assert ("ihr = " in _attention_source(path)) == (h != hk)
 
 
 @pytest.mark.parametrize("lk", [64, 512])   # one key block walk, and split keys
@@ -192,17 +199,3 @@ def test_packed_gqa_with_several_query_rows_in_half_precision(tmp_path, packed):
     path = _run(Attend(gqa=True), runs[0], tmp_path, runs, tol=2e-3)
     assert "rq = rm % 3" in _attention_source(path)
 
-
-def test_packed_gqa_over_a_dynamic_key_length(tmp_path, packed):
-    """Keys of a bucketed length (5, 300, 1024 in a 1024 bucket): padded key blocks skipped,
-    padded keys masked, for every packed head."""
-    torch.manual_seed(4)
-    s = Dim("s", min=1, max=1024)
-    runs = []
-    for lk in (5, 300, 1024):
-        q, k, v = _qkv(1, 8, 2, 1, lk, 16)
-        runs.append((q, k, v, torch.ones(1, 1, 1, lk, dtype=torch.bool)))
-    path = _run(Attend(gqa=True), runs[1], tmp_path, runs,
-                dynamic_shapes={"q": None, "k": {2: s}, "v": {2: s}, "mask": {3: s}},
-                buckets={"s": [1024]})
-    assert "attn_combine" in _families(path) and "ihr = " in _attention_source(path)

@@ -107,6 +107,18 @@ def test_bf16_logits_close_to_fp32(tmp_path):
     assert len(tokens) == 8 and ((0 <= tokens) & (tokens < 512)).all()
 
 
+def _logits_and_tokens(pkg, prompt):
+    """A NaN-poisoned session's logits for a 37-token prefill and 3 decode steps of `prompt`
+    (40 tokens), then generate()'s NEW tokens after the whole prompt."""
+    sess = pkg.session(poison=True)
+    logits = [torch.from_dlpack(sess.run(idx=prompt[None, :37].numpy(),
+                                         input_pos=np.arange(37))["out"]).float().cpu()]
+    for p in range(37, 40):
+        logits.append(torch.from_dlpack(sess.run(idx=prompt[None, p:p + 1].numpy(),
+                                                 input_pos=np.array([p]))["out"]).float().cpu())
+    return logits, sess.generate(prompt.numpy(), NEW).tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_appends_after_attention_change_no_value(tmp_path, dtype):
     """aot/fuse_append.py (off by default: it measured slower): with the KV-cache appends moved after
@@ -120,16 +132,8 @@ def test_appends_after_attention_change_no_value(tmp_path, dtype):
         moved = load(_compile(model, tmp_path / "moved.grace", **kw))
     plain = load(_compile(model, tmp_path / "plain.grace", **kw))
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(4))
-    outs = []
-    for pkg in (moved, plain):
-        sess = pkg.session(poison=True)
-        logits = [torch.from_dlpack(sess.run(idx=prompt[None, :37].numpy(),
-                                             input_pos=np.arange(37))["out"]).float().cpu()]
-        for p in range(37, 40):
-            logits.append(torch.from_dlpack(sess.run(idx=prompt[None, p:p + 1].numpy(),
-                                                     input_pos=np.array([p]))["out"]).float().cpu())
-        outs.append((logits, sess.generate(prompt.numpy(), NEW).tolist()))
-    (got, got_tokens), (want, want_tokens) = outs
+    (got, got_tokens), (want, want_tokens) = (_logits_and_tokens(pkg, prompt)
+                                              for pkg in (moved, plain))
     for g, w in zip(got, want):
         assert torch.equal(g, w)
     assert got_tokens == want_tokens
@@ -161,16 +165,8 @@ def test_decode_knobs_keep_the_logits(tmp_path, knob, dtype):
         knobbed = load(_compile(model, tmp_path / f"{knob}.grace", **kw))
     plain = load(_compile(model, tmp_path / "plain.grace", **kw))
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5))
-    outs = []
-    for pkg in (knobbed, plain):
-        sess = pkg.session(poison=True)
-        logits = [torch.from_dlpack(sess.run(idx=prompt[None, :37].numpy(),
-                                             input_pos=np.arange(37))["out"]).float().cpu()]
-        for p in range(37, 40):
-            logits.append(torch.from_dlpack(sess.run(idx=prompt[None, p:p + 1].numpy(),
-                                                     input_pos=np.array([p]))["out"]).float().cpu())
-        outs.append((logits, sess.generate(prompt.numpy(), NEW).tolist()))
-    (got, got_tokens), (want, want_tokens) = outs
+    (got, got_tokens), (want, want_tokens) = (_logits_and_tokens(pkg, prompt)
+                                              for pkg in (knobbed, plain))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for g, w in zip(got, want):
         assert torch.isfinite(g).all() and _rel(g, w) < tol
