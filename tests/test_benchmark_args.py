@@ -240,3 +240,15 @@ def test_decode_table_without_reduce_overhead_says_so_and_prints_no_ratio():
     res["hbm_fraction"]["reduce-overhead"] = 0.35
     grace_row = next(line for line in D.format_table(res).splitlines() if line.startswith("grace"))
     assert grace_row.split()[-1] == "0.50"
+
+
+def test_decode_table_shows_each_timeline_and_a_failed_profile_is_an_error(tmp_path):
+    from grace.tools import bench_decode as D
+    res = {"shape": "1b", "max_seq": 2048, "pos": 1000, "bytes_per_token": 2.5e9, "steps": 64,
+           "ms_per_token": {"grace run()": 0.97}, "hbm_fraction": {"grace run()": 0.6},
+           "errors": {}, "timelines": {"split": {"table": "GPU span per call 900.0 us\nmm ...",
+                                                 "rows": []}}}
+    table = D.format_table(res)
+    assert "timeline split (as built" in table and "  GPU span per call 900.0 us" in table
+    with pytest.raises(RuntimeError, match="profile_kernels exited"):
+        D._timeline(tmp_path / "missing.grace", 1000, tmp_path, "x")

@@ -16,6 +16,8 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
   ... fold         (--fold-ab) the same model compiled with fold_row_stats (aot/fuse_stats.py)
   ... NAME         (--variant NAME:codegen.GEMV_TILE=2048,...) the same model compiled with
                    grace.aot constants set for the compile (tools/variants.py), e.g. a GEMV tile
+`--timeline` adds, for grace's package and each variant, the decode graph's time node by node
+(profile_kernels --timeline, as built), so an A/B shows where the time moved.
 Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes). The HBM
 fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
 positions up to the current one) / time / 4.3 TB/s (the copy rate measured on the H200).
@@ -103,8 +105,27 @@ def _time_tokens(step, tok, pos, steps, repeats, sync):
     return best
 
 
+def _timeline(path: Path, pos: int, workdir: Path, name: str) -> dict:
+    """profile_kernels --timeline of the decode graph of the package at `path`, at position
+    `pos`, as built (PDL), in a process of its own (CUPTI names kernels of several packages in
+    one process wrongly: docs/performance.md, ninth session): its printed table and node rows."""
+    import subprocess
+
+    jpath = workdir / f"timeline-{name}.json"
+    cmd = [sys.executable, "-m", "grace.tools.profile_kernels", str(path), "--size", "seq=1",
+           "--fill", f"input_pos={pos}", "--as-built", "--timeline", "--top", "15",
+           "--json", str(jpath)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(f"profile_kernels exited {done.returncode}: {done.stderr[-1500:]}")
+    rows = json.loads(jpath.read_text())["rows"]
+    jpath.unlink()
+    return {"table": done.stdout, "rows": rows}
+
+
 def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),
-        out=None, pdl_ab=True, fold_ab=False, variants=(), reduce_overhead=True) -> dict:
+        out=None, pdl_ab=True, fold_ab=False, variants=(), reduce_overhead=True,
+        timeline=False) -> dict:
     import torch
     from torch.export import Dim
 
@@ -227,8 +248,18 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         _log(f"{key} {res['ms_per_token'][key]:.3f} ms/token")
         sess.close()
 
+    def profile(path: Path, name: str):
+        if not timeline:
+            return
+        try:
+            res.setdefault("timelines", {})[name] = _timeline(path, pos, workdir, name)
+            _log(f"timeline {name}: " + res["timelines"][name]["table"].splitlines()[0])
+        except Exception as e:  # recorded, the others still run
+            res["errors"][f"timeline {name}"] = f"{type(e).__name__}: {e}"[:2000]
+
     measure_grace(pkg)
     pkg.close()
+    profile(path, "grace")
     if pdl_ab:
         # the default package with its programmatic edges built as full ones (load(pdl=False)),
         # then the same model compiled without PDL (docs/design-pdl.md)
@@ -258,6 +289,7 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
             "graphs": [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                        for g in vpkg.manifest["graphs"]]}
         vpkg.close()
+        profile(vpath, variant.name)
         _drop(vpath)
     res["hbm_fraction"] = {k: need / (v * 1e-3) / COPY_RATE for k, v in res["ms_per_token"].items()}
     res["grace_graphs"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
@@ -278,6 +310,9 @@ def format_table(res) -> str:
     lines.append(f"grace tokens equal to eager: {res.get('grace_tokens_equal_eager')}/{res['steps']} "
                  f"(no PDL: {res.get('grace_tokens_equal_eager no PDL', '-')}); "
                  f"compile {res.get('grace_compile_s', 0):.0f} s, load {res.get('grace_load_s', 0):.2f} s")
+    for name, t in res.get("timelines", {}).items():
+        lines.append(f"timeline {name} (as built; us each node adds to the GPU span):")
+        lines += ["  " + line for line in t["table"].splitlines()[:14]]
     for k, e in res["errors"].items():
         lines.append(f"error {k}: {e[:200]}")
     lines += [f"skipped {s}" for s in res.get("skipped", [])]
@@ -304,6 +339,10 @@ def main(argv=None):
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:module.CONSTANT=VALUE,...",
                     help="also time the model compiled with these grace.aot constants (tools/variants.py), "
                          "e.g. gemv2x1024:codegen.GEMV_TILE=2048; repeatable")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also profile the decode graph of grace's package and of each variant "
+                         "node by node (profile_kernels --timeline --as-built, in a subprocess): "
+                         "where the time went, in the same run as the ms/token")
     a = ap.parse_args(argv)
     try:
         variants = [parse_variant(v) for v in a.variant]
@@ -312,7 +351,7 @@ def main(argv=None):
     if len({v.name for v in variants}) != len(variants):
         ap.error("two variants have the same name")
     res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out, not a.no_pdl_ab,
-              a.fold_ab, variants, not a.no_reduce_overhead)
+              a.fold_ab, variants, not a.no_reduce_overhead, a.timeline)
     print(format_table(res))
 
 
