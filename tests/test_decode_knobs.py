@@ -6,7 +6,8 @@ proof, and the graph shape each knob promises.
   reduction kernel;
 - a shared residual stream (lower.SHARE_MIN_READS): every residual add is stored by the GEMV
   that computes its last term, so norms and GEMV rows read one vector, with no extra kernel;
-- grouped-query heads packed into one attention program (codegen.ATTN_PACK_GQA)."""
+- grouped-query heads packed into one attention program (codegen.ATTN_PACK_GQA);
+- all three at once."""
 from __future__ import annotations
 
 import numpy as np
@@ -101,4 +102,17 @@ def test_packed_grouped_query_heads_in_a_decode_step(tmp_path):
     for node, k in att:
         assert node["grid"][1] == 2 and node["grid"][2] > 1
         assert "ihr = ih + rm // 1" in bytes(pkg.section(k["source"])).decode()
+    _check_against_eager(model, path)
+
+
+def test_all_three_knobs_together(tmp_path):
+    """Split down projections whose reductions also take the shared residual add, beside packed
+    attention: the knobs compose, and the logits still match eager."""
+    model, path = _compile(tmp_path, "all:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=2,"
+                           "codegen.ATTN_PACK_GQA=1", "all", max_seq=256, n_heads=8)
+    pkg, graph, kernels = _decode_graph(path)
+    labels = [(n["label"], k["family"]) for n, k in zip(graph["nodes"], kernels)]
+    assert sum(f == "reduction" and "+add" in lab for lab, f in labels) == 3
+    assert sum("ihr = " in bytes(pkg.section(k["source"])).decode()
+               for k in kernels if k["family"] == "attention") == 3
     _check_against_eager(model, path)
