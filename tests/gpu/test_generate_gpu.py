@@ -145,6 +145,7 @@ KNOBS = {   # decode-graph knobs, off by default until timed (tests/test_decode_
     "split": "split:codegen.GEMV_SPLIT_MIN_K=2048",
     "share": "share:lower.SHARE_MIN_READS=2",
     "gqa": "gqa:codegen.ATTN_PACK_GQA=1",
+    "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=2,codegen.ATTN_PACK_GQA=1",
 }
 
 
