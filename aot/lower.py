@@ -19,7 +19,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from . import extents, families, linear_groups, views
 from .families import Pointwise
 from .ir import (Buffer, Const, Expr, Kernel, Load, Op, Program, SymValue,
-                 contiguous_strides, expr_size, is_cheap, loads, walk)
+                 contiguous_strides, expr_size, is_cheap, loads, numel, walk)
 from .ops import COSTLY
 from .extents import SymSize, sym_expr
 from .views import TV
@@ -767,18 +767,11 @@ def _worth_sharing(tv: TV) -> bool:
         size += 1
         if isinstance(node, Op) and node.op in COSTLY:
             return True
-    if (SHARE_MIN_READS and _rows(tv.shape) <= SHARE_MAX_ROWS
+    if (SHARE_MIN_READS and numel(tv.shape[:-1]) <= SHARE_MAX_ROWS
             and len({ld.buf.index for ld in loads(tv.expr)
                      if ld.buf.kind in ("arena", "state", "input")}) >= SHARE_MIN_READS):
         return True
     return size > 6
-
-
-def _rows(shape) -> int:
-    rows = 1
-    for size in shape[:-1]:
-        rows *= size
-    return rows
 
 
 # Store a value of several readers once its expression reads this many activations (0: off). A
