@@ -326,3 +326,17 @@ def test_split_gemv_leaves_dynamic_k_whole(tmp_path, gemv_split):
     path = _check(Mix(), runs[0], tmp_path, dynamic_shapes={"p": {1: t}, "v": {0: t}},
                   buckets={"t": [8192]}, runs=runs, tol=1e-5, sm_count={"sm_90": 2})
     assert "k_lo" not in _matmul_source(path)
+
+
+@pytest.mark.parametrize("model, n", [(lambda: Proj(8192, 1), 1), (lambda: Proj(8192, 0), 0),
+                                      (lambda: RightWeight(8192, 3), 3)],
+                         ids=["one-output", "no-output", "weight-k-major"])
+def test_split_gemv_edges(tmp_path, gemv_split, model, n):
+    """One output column (one program, K in 8 chunks of one step), none (an empty product: no
+    GEMV at all), and W stored [K, N], with extreme values: x of ±0.5, 1e-30 and 1e3."""
+    torch.manual_seed(15)
+    x = torch.randn(1, 8192)
+    x[0, ::3], x[0, 1::7], x[0, 2::11] = 0.5, -1e-30, 1e3
+    path = _check(model(), {"x": x}, tmp_path, tol=1e-5, sm_count={"sm_90": 2})
+    if n:
+        assert "k_lo = " in _matmul_source(path)
