@@ -133,17 +133,24 @@ def test_dynamic_key_length(tmp_path, monkeypatch, heads):
     assert ("ihr = " in _attention_source(path)) == (h != hk)
 
 
-@pytest.mark.parametrize("lk", [64, 512])   # one key block walk, and split keys
-def test_a_query_row_with_every_key_masked_is_zero(tmp_path, lk):
-    """As torch's SDPA gives: left padding masks whole rows, and a NaN there would spread."""
+@pytest.mark.parametrize("lk, heads", [(64, (2, 2)), (512, (2, 2)), (512, (8, 2))],
+                         ids=["one-block", "split", "split-packed"])
+def test_a_query_row_with_every_key_masked_is_zero(tmp_path, monkeypatch, lk, heads):
+    """As torch's SDPA gives: left padding masks whole rows, and a NaN there would spread. Row 0
+    is masked for every head, row 2 for the last head only (with grouped heads packed,
+    ATTN_PACK_GQA, one row of a program's tile)."""
+    from grace.aot import codegen
+    monkeypatch.setattr(codegen, "ATTN_PACK_GQA", 1)
+    h, hk = heads
     torch.manual_seed(4)
     runs = []
     for row in (0, 2):
-        q, k, v = _qkv(1, 2, 2, 3, lk, 16)
-        mask = _valid_upto(3, lk, 40, additive=False).clone()
-        mask[..., row, :] = False
+        q, k, v = _qkv(1, h, hk, 3, lk, 16)
+        mask = _valid_upto(3, lk, 40, additive=False).expand(1, h, 3, lk).clone()
+        mask[:, h - 1 if row else slice(None), row, :] = False
         runs.append((q, k, v, mask))
-    _run(Attend(), runs[0], tmp_path, runs)
+    path = _run(Attend(gqa=h != hk), runs[0], tmp_path, runs)
+    assert ("ihr = " in _attention_source(path)) == (h != hk)
 
 
 @pytest.fixture
