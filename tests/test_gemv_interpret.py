@@ -99,15 +99,20 @@ def test_batched_rows(tmp_path):
     _check(Batched(), {"a": torch.randn(3, 1, 40), "b": torch.randn(3, 40, 24)}, tmp_path)
 
 
-def test_half_precision(tmp_path):
-    torch.manual_seed(4)
-    model = Proj(96, 64).half()
-    x = torch.randn(1, 96).half()
-    path = grace_compile(model.eval(), (x,), output=tmp_path / "m.grace", progress=False)
+def _check_half(model, k: int, tmp_path, **options):
+    """`model` in float16 on a float16 row of K columns, against float64: the package's path."""
+    model, x = model.half().eval(), torch.randn(1, k).half()
+    path = grace_compile(model, (x,), output=tmp_path / "m.grace", progress=False, **options)
     got = run_cases(path, {"r": {"x": x.numpy()}}, tmp_path)["r"]["out"]
     with torch.no_grad():
         ref = model.double()(x.double())
     assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3
+    return path
+
+
+def test_half_precision(tmp_path):
+    torch.manual_seed(4)
+    _check_half(Proj(96, 64), 96, tmp_path)
 
 
 def test_dynamic_rows_in_a_bucket_of_one(tmp_path):
@@ -246,14 +251,8 @@ def test_long_row_loads_the_next_k_step_ahead(tmp_path, gemv_forms):
 
 def test_long_row_in_half_precision(tmp_path, gemv_forms):
     torch.manual_seed(10)
-    model = Proj(4608, 16).half()
-    x = torch.randn(1, 4608).half()
-    path = grace_compile(model.eval(), (x,), output=tmp_path / "m.grace", progress=False)
-    got = run_cases(path, {"r": {"x": x.numpy()}}, tmp_path)["r"]["out"]
-    with torch.no_grad():
-        ref = model.double()(x.double())
+    path = _check_half(Proj(4608, 16), 4608, tmp_path)
     assert "b = b_next" in _matmul_source(path)
-    assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3
 
 
 def test_persistent_tiles_widened_at_the_multiply(tmp_path, monkeypatch):
@@ -262,16 +261,9 @@ def test_persistent_tiles_widened_at_the_multiply(tmp_path, monkeypatch):
     from grace.aot import codegen
     monkeypatch.setattr(codegen, "GEMV_PERSISTENT_CAST_LATE", True)
     torch.manual_seed(11)
-    model = Proj(3000, 37).half()
-    x = torch.randn(1, 3000).half()
-    path = grace_compile(model.eval(), (x,), output=tmp_path / "m.grace", progress=False,
-                         sm_count={"sm_90": 2})
-    got = run_cases(path, {"r": {"x": x.numpy()}}, tmp_path)["r"]["out"]
-    with torch.no_grad():
-        ref = model.double()(x.double())
+    path = _check_half(Proj(3000, 37), 3000, tmp_path, sm_count={"sm_90": 2})
     source = _matmul_source(path)
     assert "b.to(tl.float32) * a" in source and "for turn in range(0, 5)" in source
-    assert got.dtype == np.float16 and rel_err(got, ref.numpy()) < 2e-3
 
 
 @pytest.fixture
