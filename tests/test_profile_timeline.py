@@ -26,13 +26,13 @@ def _call(t0):
 
 
 def test_exposed_times_add_up_to_the_span():
-    rows = timeline(GRAPH, KERNELS, _call(0.0) + _call(100.0), iters=2)
-    span = rows[-1]["span_us"]
-    exposed = [r["exposed_us"] for r in rows[:-1]]
+    result = timeline(GRAPH, KERNELS, _call(0.0) + _call(100.0), iters=2)
+    span = result["span_us"]
+    exposed = [r["exposed_us"] for r in result["rows"]]
     assert span == 10.0
     assert exposed == [1.0, 2.0, 3.0, 1.0, 1.0, 2.0]
     assert sum(exposed) == span
-    text = format_timeline(rows, top=3)
+    text = format_timeline(result, top=3)
     groups = {line.split()[0]: line.split() for line in text.splitlines()[2:6]}
     # a GEMV of 4 MB in 3 µs exposed, another (its residual add fused) in 2 µs
     assert groups["mm"][1:3] == ["1", "3.0"] and groups["mm"][-1] == "1.33"
@@ -43,9 +43,13 @@ def test_exposed_times_add_up_to_the_span():
 def test_kernels_of_no_node_are_left_out_unless_one_is_missing():
     spans = _call(0.0)
     spans.insert(2, ("memset_like", 1.5, 1.6))   # other GPU work in the process: dropped
-    assert timeline(GRAPH, KERNELS, spans, iters=1)[-1]["span_us"] == 10.0
+    assert timeline(GRAPH, KERNELS, spans, iters=1)["span_us"] == 10.0
     spans[4] = ("other", 6, 7)                    # ... but not in place of a node's kernel
-    with pytest.raises(SystemExit, match="no graph node"):
+    with pytest.raises(SystemExit, match=r"kernels of no node: \['memset_like', 'other'\]"):
         timeline(GRAPH, KERNELS, spans, iters=1)
     with pytest.raises(SystemExit, match="other GPU work"):
         timeline(GRAPH, KERNELS, _call(0.0)[:-1], iters=1)
+    spans = _call(0.0)
+    spans[3] = ("gemv_k", 6, 7)                   # a kernel more often than its nodes
+    with pytest.raises(SystemExit, match="ran more often"):
+        timeline(GRAPH, KERNELS, spans, iters=1)

@@ -118,9 +118,9 @@ def _timeline(path: Path, pos: int, workdir: Path, name: str) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(f"profile_kernels exited {done.returncode}: {done.stderr[-1500:]}")
-    rows = json.loads(jpath.read_text())["rows"]
+    result = json.loads(jpath.read_text())
     jpath.unlink()
-    return {"table": done.stdout, "rows": rows}
+    return {"table": done.stdout, "span_us": result["span_us"], "rows": result["rows"]}
 
 
 def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),

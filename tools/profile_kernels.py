@@ -87,13 +87,12 @@ def main(argv=None):
         sess.sync()
     if args.timeline:
         graph = next(g for g in pkg.manifest["graphs"] if g["name"] == sess.last_graph)
-        rows = timeline(graph, pkg.manifest["kernels"], _kernel_spans(prof), args.iters)
-        print(format_timeline(rows, args.top))
+        result = timeline(graph, pkg.manifest["kernels"], _kernel_spans(prof), args.iters)
+        print(format_timeline(result, args.top))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"package": args.package, "graph": graph["name"],
-                           "as_built": args.as_built, "iters": args.iters, "rows": rows}, f,
-                          indent=1)
+                           "as_built": args.as_built, "iters": args.iters, **result}, f, indent=1)
         return
     per = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
@@ -123,9 +122,10 @@ def _label_group(label: str) -> str:
     return "+".join(re.sub(r"_\d+$", "", part) for part in label.split("+"))
 
 
-def timeline(graph: dict, kernels: list, spans, iters: int) -> list[dict]:
-    """Per node of `graph` (launch order, table writer included): its mean exposed time over the
-    `iters` calls in `spans`, the kernels of one call each.
+def timeline(graph: dict, kernels: list, spans, iters: int) -> dict:
+    """{"span_us": the mean GPU span of a call, "rows": per node of `graph` (launch order, table
+    writer included) its mean exposed time} over the `iters` calls in `spans`, the kernels of one
+    call each (spans of kernels no node launches are left out).
 
     A call's kernels are matched to nodes by name and occurrence: the k-th launch of kernel X in
     a call is the k-th node that launches X, in node order. Nodes that may run side by side can
@@ -134,13 +134,12 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> list[dict]:
     nodes = graph["nodes"]
     per_call = len(nodes)
     names = {kernels[node["kernel"]]["name"] for node in nodes}
-    others = [s for s in spans if s[0] not in names]
+    others = sorted({s[0] for s in spans if s[0] not in names})
     spans = [s for s in spans if s[0] in names]
-    if others and len(spans) != per_call * iters:
-        raise SystemExit(f"kernels of no graph node ran too: {sorted({s[0] for s in others})[:5]}")
     if len(spans) != per_call * iters:
-        raise SystemExit(f"profile saw {len(spans)} kernels for {iters} calls of a {per_call}-node "
-                         "graph: other GPU work ran in this process, or nodes are not kernels")
+        raise SystemExit(f"profile saw {len(spans)} kernels of graph {graph['name']!r} for {iters} "
+                         f"calls of {per_call} nodes (other GPU work ran in this process, or a node "
+                         f"is not a kernel); kernels of no node: {others[:5] or 'none'}")
     by_kernel = defaultdict(list)
     for i, node in enumerate(nodes):
         by_kernel[kernels[node["kernel"]]["name"]].append(i)
@@ -151,10 +150,10 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> list[dict]:
         seen = defaultdict(int)
         frontier = call[0][1]
         for name, start, end in call:
-            slots = by_kernel.get(name)
-            if slots is None or seen[name] >= len(slots):
-                raise SystemExit(f"kernel {name} is not a node of graph {graph['name']!r} "
-                                 "(or runs more often than its nodes)")
+            slots = by_kernel[name]
+            if seen[name] >= len(slots):
+                raise SystemExit(f"kernel {name} ran more often in one call than graph "
+                                 f"{graph['name']!r} launches it")
             i = slots[seen[name]]
             seen[name] += 1
             exposed[i] += max(0.0, end - frontier)
@@ -169,13 +168,11 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> list[dict]:
                      "family": kernels[node["kernel"]].get("family"),
                      "weights_nbytes": weights, "exposed_us": exposed[i] / iters,
                      "programmatic": bool(node.get("programmatic"))})
-    rows.append({"span_us": span_us / iters})
-    return rows
+    return {"span_us": span_us / iters, "rows": rows}
 
 
-def format_timeline(rows, top: int) -> str:
-    span = rows[-1]["span_us"]
-    rows = rows[:-1]
+def format_timeline(result: dict, top: int) -> str:
+    span, rows = result["span_us"], result["rows"]
     groups = defaultdict(lambda: [0, 0.0, 0])
     for r in rows:
         g = groups[_label_group(r["label"])]

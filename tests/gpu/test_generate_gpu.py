@@ -149,27 +149,46 @@ KNOBS = {   # decode-graph knobs, off by default until timed (tests/test_decode_
 }
 
 
+@pytest.fixture(scope="module")
+def knob_baseline(tmp_path_factory):
+    """Per dtype: the decoder the knobs are tried on (a K-2048 down projection to split), and its
+    default package's logits and tokens, computed once for all knobs."""
+    made = {}
+
+    def get(dtype):
+        if dtype not in made:
+            torch.manual_seed(0)
+            model = CachedLlama(vocab=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
+                                hidden=2048, max_seq=MAX_SEQ).eval().to(dtype)
+            path = tmp_path_factory.mktemp("knobs") / "plain.grace"
+            made[dtype] = model, _logits_and_tokens(load(_compile(model, path, **_knob_kw(dtype))),
+                                                    KNOB_PROMPT)
+        return made[dtype]
+    return get
+
+
+KNOB_PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5))
+
+
+def _knob_kw(dtype):
+    return {"fp32_matmul": "ieee"} if dtype == torch.float32 else {}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("knob", sorted(KNOBS))
-def test_decode_knobs_keep_the_logits(tmp_path, knob, dtype):
+def test_decode_knobs_keep_the_logits(tmp_path, knob_baseline, knob, dtype):
     """Split-K GEMVs (the down projection's K 2048 in 2 chunks), the shared residual stream and
     packed grouped-query heads: prefill and decode logits as the default package's (fp32: to
     summation order; bf16: to its rounding), NaN-poisoned sessions, and in fp32 generate() gives
     eager's greedy tokens."""
     from grace.tools.variants import applied, parse_variant
 
-    torch.manual_seed(0)
-    model = CachedLlama(vocab=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, hidden=2048,
-                        max_seq=MAX_SEQ).eval().to(dtype)
-    kw = {"fp32_matmul": "ieee"} if dtype == torch.float32 else {}
+    model, (want, want_tokens) = knob_baseline(dtype)
     with applied(parse_variant(KNOBS[knob])):
-        knobbed = load(_compile(model, tmp_path / f"{knob}.grace", **kw))
-    plain = load(_compile(model, tmp_path / "plain.grace", **kw))
-    prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5))
-    (got, got_tokens), (want, want_tokens) = (_logits_and_tokens(pkg, prompt)
-                                              for pkg in (knobbed, plain))
+        knobbed = load(_compile(model, tmp_path / f"{knob}.grace", **_knob_kw(dtype)))
+    got, got_tokens = _logits_and_tokens(knobbed, KNOB_PROMPT)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for g, w in zip(got, want):
         assert torch.isfinite(g).all() and _rel(g, w) < tol
     if dtype == torch.float32:
-        assert got_tokens == want_tokens == model.greedy(prompt, NEW)
+        assert got_tokens == want_tokens == model.greedy(KNOB_PROMPT, NEW)
