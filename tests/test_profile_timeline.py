@@ -32,6 +32,9 @@ def test_exposed_times_add_up_to_the_span():
     assert span == 10.0
     assert exposed == [1.0, 2.0, 3.0, 1.0, 1.0, 2.0]
     assert sum(exposed) == span
+    # where each node began and how long it ran (a PDL launch's span includes its wait)
+    assert [r["start_us"] for r in result["rows"]] == [0.0, 1.0, 2.0, 6.0, 6.0, 7.0]
+    assert [r["duration_us"] for r in result["rows"]] == [1.0, 2.0, 4.0, 1.0, 2.0, 3.0]
     text = format_timeline(result, top=3)
     groups = {line.split()[0]: line.split() for line in text.splitlines()[2:6]}
     # a GEMV of 4 MB in 3 µs exposed, another (its residual add fused) in 2 µs

@@ -144,6 +144,8 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> dict:
     for i, node in enumerate(nodes):
         by_kernel[kernels[node["kernel"]]["name"]].append(i)
     exposed = [0.0] * per_call
+    starts = [0.0] * per_call
+    durations = [0.0] * per_call
     span_us = 0.0
     for c in range(iters):
         call = spans[c * per_call:(c + 1) * per_call]
@@ -156,6 +158,8 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> dict:
                                  f"{graph['name']!r} launches it")
             i = slots[seen[name]]
             seen[name] += 1
+            starts[i] += start - call[0][1]
+            durations[i] += end - start
             exposed[i] += max(0.0, end - frontier)
             frontier = max(frontier, end)
         span_us += frontier - call[0][1]
@@ -167,6 +171,7 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> dict:
                      "kernel": kernels[node["kernel"]]["name"], "grid": node.get("grid"),
                      "family": kernels[node["kernel"]].get("family"),
                      "weights_nbytes": weights, "exposed_us": exposed[i] / iters,
+                     "start_us": starts[i] / iters, "duration_us": durations[i] / iters,
                      "programmatic": bool(node.get("programmatic"))})
     return {"span_us": span_us / iters, "rows": rows}
 
@@ -188,9 +193,11 @@ def format_timeline(result: dict, top: int) -> str:
         rate = f"{nbytes / us / 1e6:.2f}" if nbytes and us else "-"
         lines.append(f"{name:<32}{count:>6}{us:>12.1f}{us / span:>8.1%}{us / count:>9.2f}"
                      f"{nbytes / 1e6:>12.1f}{rate:>7}")
-    lines.append(f"the {top} nodes that cost the call most:")
+    lines.append(f"the {top} nodes that cost the call most (start: after the call's first "
+                 f"kernel began; ran: its own span, waits included):")
     for r in sorted(rows, key=lambda r: -r["exposed_us"])[:top]:
         lines.append(f"  node {r['node']:>4}  {r['label']:<28}{r['exposed_us']:>8.2f} us  "
+                     f"start {r['start_us']:>7.1f}  ran {r['duration_us']:>6.1f}  "
                      f"grid {r['grid']}  {r['weights_nbytes'] / 1e6:.1f} MB  {r['kernel']}")
     return "\n".join(lines)
 
