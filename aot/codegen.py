@@ -837,8 +837,9 @@ GEMV_PERSISTENT_CAST_LATE = False
 # applies the epilogue. For GEMVs whose few programs walk long rows serially: in the Llama-3.2-1B
 # decode graph on the H200 the down projection (2048 x 8192: 512 programs of 8 K steps) streamed
 # 2.5 TB/s, the gate+up GEMVs (4096 programs of 2 steps) 3.6-4.2 (profile_kernels --timeline,
-# docs/performance.md, 2026-12-03). Off until timed in that graph (bench_decode --variant).
-GEMV_SPLIT_MIN_K = 0
+# docs/performance.md, 2026-12-03). Split 4 ways there: 0.972 -> 0.920 ms/token alone, 0.869 with
+# the shared residual stream and packed GQA heads (bench_decode --variant, 2026-12-03).
+GEMV_SPLIT_MIN_K = 8192
 GEMV_SPLIT_PER_SM = 16
 GEMV_LONG_K = 0         # past this K: GEMV_LONG_TILE tiles, GEMV_LONG_AHEAD steps ahead; 0: off
 GEMV_LONG_TILE = (4, 512)
@@ -1077,9 +1078,9 @@ ATTN_SPLIT_PROGRAMS_PER_SM = 4   # split keys while the programs stay within thi
 # query heads per key/value head times the query rows fit one 16-row tile; 0: off. In the Llama-1B
 # decode graph on the H200 attention and its combine took 7.5 us a layer (profile_kernels
 # --timeline, docs/performance.md, 2026-12-03) with 512 programs each reading its own copy of its
-# key/value head's keys (4 query heads per key/value head). Off until timed in that graph
-# (bench_decode --variant gqa:codegen.ATTN_PACK_GQA=1).
-ATTN_PACK_GQA = 0
+# key/value head's keys (4 query heads per key/value head). Packed: 7.5 -> 5.9 us a layer and
+# 0.972 -> 0.933 ms/token alone (bench_decode --variant, 2026-12-03).
+ATTN_PACK_GQA = 1
 
 
 def attention_plan(b: int, h: int, lq: int, lk: int, sm_count: int, rep: int = 1,

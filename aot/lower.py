@@ -782,9 +782,10 @@ def _worth_sharing(tv: TV) -> bool:
 # 18.3 (two) and 18.9 (three) on the H200 (profile_kernels --timeline, docs/performance.md,
 # 2026-12-03). Stored, the add becomes the epilogue of the GEMV that produced its last term (no
 # extra kernel). Only values of at most SHARE_MAX_ROWS rows (a decode step's, a batch-1
-# vector's): the evidence is from decode, and encoders keep their fusion. Off until timed
-# (bench_decode --variant share:lower.SHARE_MIN_READS=2).
-SHARE_MIN_READS = 0
+# vector's): the evidence is from decode, and encoders keep their fusion. Timed in that graph
+# (bench_decode --variant, 2026-12-03): 0.972 -> 0.927 ms/token alone, and with split-K GEMVs and
+# packed GQA heads 0.869. 0 turns it off (--variant noshare:lower.SHARE_MIN_READS=0).
+SHARE_MIN_READS = 2
 SHARE_MAX_ROWS = 16
 
 

@@ -1,9 +1,10 @@
-"""Decode-graph knobs that are off by default until timed on the H200 (`bench_decode --variant`),
-through the CPU reference executor: logits against eager over a prompt and decode steps, the race
-proof, and the graph shape each knob promises.
+"""Decode-graph knobs, on by default since they were timed on the H200 (`bench_decode --variant`,
+docs/performance.md 2026-12-03), through the CPU reference executor: logits against eager over
+a prompt and decode steps, the race proof, and the graph shape each knob promises, against the
+knob turned off.
 
-- split-K GEMVs (codegen.GEMV_SPLIT_MIN_K): the down projection's partial rows are summed by a
-  reduction kernel;
+- split-K GEMVs (codegen.GEMV_SPLIT_MIN_K, K >= 8192 by default; 2048 here for a small model):
+  the down projection's partial rows are summed by a reduction kernel;
 - a shared residual stream (lower.SHARE_MIN_READS): every residual add is stored by the GEMV
   that computes its last term, so norms and GEMV rows read one vector, with no extra kernel;
 - grouped-query heads packed into one attention program (codegen.ATTN_PACK_GQA);
@@ -78,8 +79,8 @@ def test_shared_residual_stream_in_a_decode_step(tmp_path):
     """Off, the residual adds chain in the readers' expressions until one outgrows the size
     rule; on, every layer's two adds are the epilogues of its output and down projections, the
     kernel count is unchanged, and every norm statistic reads one vector (and writes one)."""
-    _, plain = _compile(tmp_path, None, "plain")
-    model, path = _compile(tmp_path, "share:lower.SHARE_MIN_READS=2", "share")
+    _, plain = _compile(tmp_path, "noshare:lower.SHARE_MIN_READS=0", "plain")
+    model, path = _compile(tmp_path, None, "share")
     _, g_off, k_off = _decode_graph(plain)
     _, g_on, k_on = _decode_graph(path)
     assert len(k_on) == len(k_off)
@@ -93,23 +94,26 @@ def test_shared_residual_stream_in_a_decode_step(tmp_path):
 
 def test_packed_grouped_query_heads_in_a_decode_step(tmp_path):
     """8 query heads over 2 key/value heads and a 256-slot cache: the decode step's attention
-    runs 2 programs per key split, one per key/value head, each with its 4 query heads as rows."""
-    model, path = _compile(tmp_path, "gqa:codegen.ATTN_PACK_GQA=1", "gqa", max_seq=256,
-                           hidden=96, n_heads=8)
-    pkg, graph, kernels = _decode_graph(path)
-    att = [(n, k) for n, k in zip(graph["nodes"], kernels) if k["family"] == "attention"]
-    assert len(att) == 3
-    for node, k in att:
-        assert node["grid"][1] == 2 and node["grid"][2] > 1
-        assert "ihr = ih + rm // 1" in bytes(pkg.section(k["source"])).decode()
-    _check_against_eager(model, path)
+    runs 2 programs per key split, one per key/value head, each with its 4 query heads as rows
+    (off: one program per query head, too many on this 2-SM target to split the keys)."""
+    for variant, programs in ((None, 2), ("nogqa:codegen.ATTN_PACK_GQA=0", 8)):
+        model, path = _compile(tmp_path, variant, f"gqa{programs}", max_seq=256, hidden=96,
+                               n_heads=8)
+        pkg, graph, kernels = _decode_graph(path)
+        att = [(n, k) for n, k in zip(graph["nodes"], kernels) if k["family"] == "attention"]
+        assert len(att) == 3
+        for node, k in att:
+            assert node["grid"][1] == programs and (node["grid"][2] > 1) == (programs == 2)
+            assert ("ihr = ih + rm // 1" in bytes(pkg.section(k["source"])).decode()) == (
+                programs == 2)
+        _check_against_eager(model, path)
 
 
 def test_all_three_knobs_together(tmp_path):
     """Split down projections whose reductions also take the shared residual add, beside packed
     attention: the knobs compose, and the logits still match eager."""
-    model, path = _compile(tmp_path, "all:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=2,"
-                           "codegen.ATTN_PACK_GQA=1", "all", max_seq=256, n_heads=8)
+    model, path = _compile(tmp_path, "all:codegen.GEMV_SPLIT_MIN_K=2048", "all", max_seq=256,
+                           n_heads=8)
     pkg, graph, kernels = _decode_graph(path)
     labels = [(n["label"], k["family"]) for n, k in zip(graph["nodes"], kernels)]
     assert sum(f == "reduction" and "+add" in lab for lab, f in labels) == 3

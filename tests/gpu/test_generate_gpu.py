@@ -141,18 +141,22 @@ def test_appends_after_attention_change_no_value(tmp_path, dtype):
         assert got_tokens == model.greedy(prompt, NEW)
 
 
-KNOBS = {   # decode-graph knobs, off by default until timed (tests/test_decode_knobs.py on the CPU)
-    "split": "split:codegen.GEMV_SPLIT_MIN_K=2048",
-    "share": "share:lower.SHARE_MIN_READS=2",
-    "gqa": "gqa:codegen.ATTN_PACK_GQA=1",
-    "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=2,codegen.ATTN_PACK_GQA=1",
+# decode-graph knobs (tests/test_decode_knobs.py on the CPU), each alone and all together, against
+# a package with all of them off (the split-K GEMV's default K, 8192, is past this model's 2048)
+KNOBS_OFF = "off:lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0"
+KNOBS = {
+    "split": "split:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0",
+    "share": "share:codegen.ATTN_PACK_GQA=0",
+    "gqa": "gqa:lower.SHARE_MIN_READS=0",
+    "all": "all:codegen.GEMV_SPLIT_MIN_K=2048",
 }
 
 
 @pytest.fixture(scope="module")
 def knob_baseline(tmp_path_factory):
-    """Per dtype: the decoder the knobs are tried on (a K-2048 down projection to split), and its
-    default package's logits and tokens, computed once for all knobs."""
+    """Per dtype: the decoder the knobs are tried on (a K-2048 down projection to split), and the
+    logits and tokens of its package with every knob off, computed once for all knobs."""
+    from grace.tools.variants import applied, parse_variant
     made = {}
 
     def get(dtype):
@@ -161,8 +165,9 @@ def knob_baseline(tmp_path_factory):
             model = CachedLlama(vocab=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
                                 hidden=2048, max_seq=MAX_SEQ).eval().to(dtype)
             path = tmp_path_factory.mktemp("knobs") / "plain.grace"
-            made[dtype] = model, _logits_and_tokens(load(_compile(model, path, **_knob_kw(dtype))),
-                                                    KNOB_PROMPT)
+            with applied(parse_variant(KNOBS_OFF)):
+                plain = load(_compile(model, path, **_knob_kw(dtype)))
+            made[dtype] = model, _logits_and_tokens(plain, KNOB_PROMPT)
         return made[dtype]
     return get
 
@@ -178,7 +183,7 @@ def _knob_kw(dtype):
 @pytest.mark.parametrize("knob", sorted(KNOBS))
 def test_decode_knobs_keep_the_logits(tmp_path, knob_baseline, knob, dtype):
     """Split-K GEMVs (the down projection's K 2048 in 2 chunks), the shared residual stream and
-    packed grouped-query heads: prefill and decode logits as the default package's (fp32: to
+    packed grouped-query heads: prefill and decode logits as the knobs-off package's (fp32: to
     summation order; bf16: to its rounding), NaN-poisoned sessions, and in fp32 generate() gives
     eager's greedy tokens."""
     from grace.tools.variants import applied, parse_variant
