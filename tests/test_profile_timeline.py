@@ -30,6 +30,7 @@ def test_exposed_times_add_up_to_the_span():
     span = result["span_us"]
     exposed = [r["exposed_us"] for r in result["rows"]]
     assert span == 10.0
+    assert result["gap_between_calls_us"] == 90.0   # the second call began 90 µs after the first ended
     assert exposed == [1.0, 2.0, 3.0, 1.0, 1.0, 2.0]
     assert sum(exposed) == span
     # where each node began and how long it ran (a PDL launch's span includes its wait)

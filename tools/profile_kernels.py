@@ -147,8 +147,12 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> dict:
     starts = [0.0] * per_call
     durations = [0.0] * per_call
     span_us = 0.0
+    gaps = []            # first kernel of a call minus the last end of the call before it
+    previous_end = None
     for c in range(iters):
         call = spans[c * per_call:(c + 1) * per_call]
+        if previous_end is not None:
+            gaps.append(call[0][1] - previous_end)
         seen = defaultdict(int)
         frontier = call[0][1]
         for name, start, end in call:
@@ -163,6 +167,7 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> dict:
             exposed[i] += max(0.0, end - frontier)
             frontier = max(frontier, end)
         span_us += frontier - call[0][1]
+        previous_end = frontier
     rows = []
     for i, node in enumerate(nodes):
         weights = sum(a["nbytes"] for a in node["args"]
@@ -173,7 +178,8 @@ def timeline(graph: dict, kernels: list, spans, iters: int) -> dict:
                      "weights_nbytes": weights, "exposed_us": exposed[i] / iters,
                      "start_us": starts[i] / iters, "duration_us": durations[i] / iters,
                      "programmatic": bool(node.get("programmatic"))})
-    return {"span_us": span_us / iters, "rows": rows}
+    return {"span_us": span_us / iters, "rows": rows,
+            "gap_between_calls_us": sum(gaps) / len(gaps) if gaps else None}
 
 
 def format_timeline(result: dict, top: int) -> str:
@@ -185,8 +191,11 @@ def format_timeline(result: dict, top: int) -> str:
         g[1] += r["exposed_us"]
         # a rate only where the weights are streamed whole (a gather reads rows of its table)
         g[2] += r["weights_nbytes"] if r.get("family") == "matmul" else 0
+    gap = result.get("gap_between_calls_us")
     lines = [f"GPU span per call {span:.1f} us over {len(rows)} nodes "
-             f"(sum of exposed times {sum(r['exposed_us'] for r in rows):.1f} us)",
+             f"(sum of exposed times {sum(r['exposed_us'] for r in rows):.1f} us)"
+             + ("" if gap is None else f"; from one call's last end to the next one's first "
+                                       f"start {gap:.1f} us (negative: they overlap)"),
              f"{'group':<32}{'nodes':>6}{'exposed us':>12}{'share':>8}{'us/node':>9}{'matmul MB':>12}"
              f"{'TB/s':>7}"]
     for name, (count, us, nbytes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
