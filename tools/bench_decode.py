@@ -134,7 +134,11 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
 
     res = {"shape": shape, "pos": pos, "max_seq": max_seq, "steps": steps, "config": SHAPES[shape],
            "ms_per_token": {}, "errors": {}}
+    t0 = time.perf_counter()
     model = _model(shape, max_seq)
+    # progress on stderr as it goes: a run cut by a timeout still says how far it got (on 8B the
+    # random weights and the compile take minutes each)
+    _log(f"built the {shape} model (random bf16 weights, CPU) in {time.perf_counter() - t0:.1f} s")
     need = bytes_per_token(model, pos)
     res["bytes_per_token"] = need
     prompt = torch.randint(0, SHAPES[shape]["vocab"], (pos,), generator=torch.Generator().manual_seed(1))
@@ -143,6 +147,7 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         """The decoder compiled from its CPU weights (the model goes back to the GPU after)."""
         on_gpu = next(model.parameters()).is_cuda
         t0 = time.perf_counter()
+        _log(f"compiling grace{suffix} ...")
         path = workdir / f"decode-{shape}{suffix}.grace"
         t = Dim("seq", min=1, max=min(1024, max_seq))
         grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
