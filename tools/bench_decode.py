@@ -108,7 +108,8 @@ def _time_tokens(step, tok, pos, steps, repeats, sync):
 def _timeline(path: Path, pos: int, workdir: Path, name: str) -> dict:
     """profile_kernels --timeline of the decode graph of the package at `path`, at position
     `pos`, as built (PDL), in a process of its own (CUPTI names kernels of several packages in
-    one process wrongly: docs/performance.md, ninth session): its printed table and node rows."""
+    one process wrongly: docs/performance.md, ninth session): its printed table and its --json
+    record (span, node rows, gap between calls)."""
     import subprocess
 
     jpath = workdir / f"timeline-{name}.json"
@@ -118,9 +119,9 @@ def _timeline(path: Path, pos: int, workdir: Path, name: str) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(f"profile_kernels exited {done.returncode}: {done.stderr[-1500:]}")
-    result = json.loads(jpath.read_text())
+    result = json.loads(jpath.read_text())   # span_us, rows, gap_between_calls_us, ...
     jpath.unlink()
-    return {"table": done.stdout, "span_us": result["span_us"], "rows": result["rows"]}
+    return {"table": done.stdout, **result}
 
 
 def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),
