@@ -38,6 +38,15 @@ from .extents import sym_expr, to_manifest
 
 HIDDEN_PARAMS = 2   # Triton 3.6 appends global and profile scratch pointers to every entry point
 
+# Which table-reading nodes get an edge from the table writer (node 0). False: only those not
+# already after it by a path of edges (SPEC §5.3: a path of edges of either kind orders two nodes
+# as a path of full edges would), i.e. the graph's roots. True: every node that reads the table,
+# the form before the fourteenth session. In a decode graph that is every node (each reads the
+# extents), and the roots started 12-17 µs after the table writer began though it runs 0.8 µs
+# (docs/performance.md, thirteenth session): the fan-out is a suspect. A/B with
+# `--variant fanout:manifest.TABLE_WRITER_FANOUT=True`.
+TABLE_WRITER_FANOUT = False
+
 
 def table_layout(program: Program, n_symbols: int = 0,
                  errors: bool = False) -> tuple[list[dict], dict, int, dict | None]:
@@ -246,13 +255,16 @@ def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, exten
               "deps": [], "label": "table_writer"}]
     uses.setdefault(unique[writer.name], []).append(
         _use(index, 0, writer.grid, [["table", table_nbytes]] + [["word", i] for i in range(words)]))
+    after_writer = [True]   # per node: ordered after the table writer by a path of edges
     for j, (kernel, src) in enumerate(zip(g.kernels, g.sources)):
         # the error word is part of the table, which the table writer's range covers whole: a
         # kernel that stores into it is ordered after node 0 as well
         reads_table = any(b.kind in ("input", "output", "extents", "errors") for b in src.buffers)
         node_deps = [i + 1 for i in g.deps[j]]
-        if reads_table:
+        ordered = any(after_writer[d] for d in node_deps)
+        if reads_table and (TABLE_WRITER_FANOUT or not ordered):
             node_deps = [0] + node_deps
+        after_writer.append(reads_table or ordered)
         node = {"kernel": unique[src.name], "grid": list(src.grid),
                 "args": [_arg(b, g.plan, slots, extents, errors) for b in src.buffers],
                 "deps": node_deps, "label": kernel.label}

@@ -106,6 +106,46 @@ def test_both_builds_are_race_free(builds):
         assert check_pre_wait(pkg) == [], arch
 
 
+def _reaches(nodes) -> list[set]:
+    """Per node, the nodes a path of edges leads to it from."""
+    up = []
+    for node in nodes:
+        up.append(set().union(*([{d} | up[d] for d in node["deps"]] or [set()])))
+    return up
+
+
+def test_table_writer_edges_go_to_the_roots_only(builds, tmp_path):
+    """Node 0 gets an edge only to a table reader no path already orders after it (its fan-out
+    to every node of a decode graph was a suspect for the 12-17 µs before a graph's first kernel,
+    docs/performance.md); TABLE_WRITER_FANOUT=True restores the edge to every table reader. Both
+    are proven race-free, and describe the same order: the same nodes after the table writer."""
+    from grace.aot import manifest as aot_manifest
+    from grace.tools.variants import applied, parse_variant
+
+    reduced = read_package(builds["sm_90"]).manifest
+    with applied(parse_variant("fanout:manifest.TABLE_WRITER_FANOUT=True")):
+        path = grace_compile(_model(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                             output=tmp_path / "fanout.grace", progress=False, fp32_matmul="ieee",
+                             archs=("sm_90",), pdl=True,
+                             dynamic_shapes={"idx": {1: Dim("seq", min=1, max=MAX_SEQ)},
+                                             "input_pos": {0: Dim("seq", min=1, max=MAX_SEQ)}},
+                             buckets={"seq": [8, MAX_SEQ]},
+                             generate={"tokens": "idx", "positions": "input_pos"})
+    assert aot_manifest.TABLE_WRITER_FANOUT is False   # the variant is undone after the compile
+    fanout = read_package(path).manifest
+    assert check_races(fanout) == [] and check_races(reduced) == []
+    for g_red, g_fan in zip(reduced["graphs"], fanout["graphs"]):
+        red, fan = g_red["nodes"], g_fan["nodes"]
+        up_red, up_fan = _reaches(red), _reaches(fan)
+        writer_red = [j for j, n in enumerate(red) if 0 in n["deps"]]
+        writer_fan = [j for j, n in enumerate(fan) if 0 in n["deps"]]
+        assert len(writer_red) < len(writer_fan)
+        for j in writer_red:   # no other path from node 0: the edge is needed
+            assert not any(0 in up_red[d] for d in red[j]["deps"] if d != 0), (g_red["name"], j)
+        assert [0 in up for up in up_red] == [0 in up for up in up_fan]
+        assert [set(n["deps"]) - {0} for n in red] == [set(n["deps"]) - {0} for n in fan]
+
+
 def test_kernels_declare_what_they_write(builds):
     m = read_package(builds["sm_90"]).manifest
     for k in m["kernels"]:
