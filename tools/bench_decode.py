@@ -50,18 +50,27 @@ def _log(msg):
 
 def _model(shape, max_seq):
     import torch
+    from torch import nn
+
     from grace.tools.models import CachedLlama
 
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
+    # Every 2-D weight is drawn below, so the layers' own init is skipped, and on a GPU machine
+    # the draws run there: on the H200 machine's CPU the 1B model took 68 s to build and the 8B
+    # one more than a call's budget (docs/performance.md, thirteenth and fourteenth sessions).
+    linear, embedding = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
     try:
         model = CachedLlama(max_seq=max_seq, rope_base=500000.0, **SHAPES[shape]).eval()
     finally:
         torch.set_default_dtype(torch.float32)
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = linear, embedding
+    draw_on = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.no_grad():   # small weights keep bf16 logits finite and argmax meaningful
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.02)
+                p.copy_(torch.empty(p.shape, dtype=p.dtype, device=draw_on).normal_(0, 0.02))
     model.rope_cos = model.rope_cos.to(torch.bfloat16)   # the rotary tables and caches in bf16 too
     model.rope_sin = model.rope_sin.to(torch.bfloat16)
     for layer in model.layers:
@@ -139,7 +148,7 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
     model = _model(shape, max_seq)
     # progress on stderr as it goes: a run cut by a timeout still says how far it got (on 8B the
     # random weights and the compile take minutes each)
-    _log(f"built the {shape} model (random bf16 weights, CPU) in {time.perf_counter() - t0:.1f} s")
+    _log(f"built the {shape} model (random bf16 weights drawn on the GPU, held on the CPU) in {time.perf_counter() - t0:.1f} s")
     need = bytes_per_token(model, pos)
     res["bytes_per_token"] = need
     prompt = torch.randint(0, SHAPES[shape]["vocab"], (pos,), generator=torch.Generator().manual_seed(1))
