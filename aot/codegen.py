@@ -1400,6 +1400,7 @@ def table_writer_source(slots: list[dict], extents: dict | None = None) -> Kerne
 
 
 GENERATE_STEP_BLOCK = 8192   # logits per lane block of the generation step's argmax
+GENERATE_STEP_WARPS = 8      # its warps (4 below a block of 4096 logits)
 
 
 def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
@@ -1449,4 +1450,4 @@ def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
     buffers = [logits, positions, ctrl, out_tokens, next_token, next_position]
     return KernelSource(name, "generate_step", text.replace("def generate_step(", f"def {name}("),
                         ["*i64", "*i64", "*i64", "*i64", "*i64", "*i64"], buffers, (1, 1, 1),
-                        8 if block >= 4096 else 4, 1, [2, 3, 4, 5])
+                        GENERATE_STEP_WARPS if block >= 4096 else 4, 1, [2, 3, 4, 5])
