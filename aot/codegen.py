@@ -1399,12 +1399,18 @@ def table_writer_source(slots: list[dict], extents: dict | None = None) -> Kerne
 
 
 
-GENERATE_STEP_BLOCK = 8192   # logits per lane block of the generation step's argmax
-GENERATE_STEP_WARPS = 8      # its warps (4 below a block of 4096 logits)
+# The generation step's argmax: programs of GENERATE_STEP_BLOCK logits per load round, at most
+# GENERATE_STEP_PROGRAMS of them (a 128K vocabulary: 32 programs, one round each). On the H200
+# the step of one program walking the row serially cost generate() ~30 µs a token: 0.873 ms/token
+# with 8192-logit rounds, 0.842 with 16384 (Llama-1B, docs/performance.md, fourteenth session).
+GENERATE_STEP_BLOCK = 4096
+GENERATE_STEP_PROGRAMS = 64
+GENERATE_STEP_WARPS = 4      # (4 below a block of 4096 logits too)
+_KEY_LOW = 2**31 - 1         # the index field of a packed (value, index) key
 
 
 def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
-                         next_position) -> KernelSource:
+                         next_position, scratch) -> KernelSource:
     """One greedy decoding step, run on the device after the model (docs/design-state.md):
     token = argmax of the last row of the logits (the first index of the maximum, as torch), stored
     as the next `tokens` input and at `out_tokens[count]`; the next position is the last one + 1;
@@ -1412,42 +1418,61 @@ def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
     `logits` is [1, ..., T, V] and `positions` [T], both read through their table slots (T is
     the prompt length after prefill and 1 in decode).
 
-    One program walks the row in blocks of GENERATE_STEP_BLOCK, each lane keeping its own best
-    value and column (a strictly larger value replaces it, so a lane keeps its first maximum):
-    one reduction across lanes at the end, where a reduction per block made the walk a serial
-    chain of ~125 cross-warp reductions for a 128K vocabulary."""
+    Each program walks its slice of the row in rounds of GENERATE_STEP_BLOCK logits, each lane
+    keeping its own best value and column (a strictly larger value replaces it, so a lane keeps
+    its first maximum; NaN never wins), then reduces across lanes once. The programs meet in
+    `scratch` (int64 [2], session state, zero between steps): each folds its best into word 0
+    with an atomic max of a key that orders by value, then by the smaller column, and counts
+    itself in word 1; the last to arrive reads the winner, puts both words back to zero and
+    advances the generation. One program walking a 128K row serially was latency-bound."""
     rank, vocab = len(logits.shape), logits.shape[-1]
     block = min(GENERATE_STEP_BLOCK, next_pow2(vocab))
+    rounds = cdiv(cdiv(vocab, block), GENERATE_STEP_PROGRAMS)
+    span = rounds * block            # logits per program
+    programs = cdiv(vocab, span)
     src_t = TL_TYPE[logits.dtype]
     lines = [
-        "def generate_step(logits_slot, positions_slot, ctrl, out_tokens, next_token, next_position):",
+        "def generate_step(logits_slot, positions_slot, ctrl, out_tokens, next_token, next_position,",
+        "                  scratch):",
         f"    logits = tl.load(logits_slot).to(tl.pointer_type({src_t}))",
         f"    rows = tl.load(logits_slot + {rank - 1})",          # sizes[rank - 2]: T
         f"    row = logits + (rows - 1) * {vocab}",
+        f"    lo = tl.program_id(0) * {span}",
         f"    best = tl.full([{block}], -float(\"inf\"), tl.float32)",
-        f"    best_i = tl.arange(0, {block})",   # an all -inf row: column 0, as before
-        f"    for start in range(0, {vocab}, {block}):",
-        f"        cols = start + tl.arange(0, {block})",
+        f"    best_i = lo + tl.arange(0, {block})",   # an all -inf slice: its first column
+        f"    for start in range(0, {span}, {block}):",
+        f"        cols = lo + start + tl.arange(0, {block})",
         f"        x = tl.load(row + cols, mask=cols < {vocab}, other=-float(\"inf\")).to(tl.float32)",
         "        better = x > best",
         "        best_i = tl.where(better, cols, best_i)",
         "        best = tl.where(better, x, best)",
         "    m = tl.max(best, 0)",
-        f"    token = tl.min(tl.where(best == m, best_i, {vocab}), 0).to(tl.int64)",
-        "    pos = tl.load(positions_slot).to(tl.pointer_type(tl.int64))",
-        "    last = tl.load(pos + tl.load(positions_slot + 1) - 1)",
-        "    count = tl.load(ctrl)",
-        "    tl.store(out_tokens + count, token)",
-        "    tl.store(next_token, token)",
-        "    tl.store(next_position, last + 1)",
-        "    tl.store(ctrl, count + 1)",
-        "    done = (token == tl.load(ctrl + 2)) | (count + 1 >= tl.load(ctrl + 1))",
-        "    tl.store(ctrl + 3, done.to(tl.int64))",
+        f"    col = tl.min(tl.where(best == m, best_i, {vocab}), 0).to(tl.int64)",
+        # the key: the value's bits made order-preserving as a signed int32 (-0.0 taken as +0.0,
+        # which compares equal), shifted non-negative, above the column counted down
+        "    bits = tl.where(m == 0.0, 0.0, m).to(tl.int32, bitcast=True)",
+        "    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648",
+        f"    tl.atomic_max(scratch, (ordered << 31) | ({_KEY_LOW} - col))",
+        "    tl.debug_barrier()",
+        "    arrived = tl.atomic_add(scratch + 1, 1)",
+        f"    if arrived == {programs - 1}:",
+        "        key = tl.atomic_xchg(scratch, 0)",
+        "        tl.atomic_xchg(scratch + 1, 0)",
+        f"        token = {_KEY_LOW} - (key & {_KEY_LOW})",
+        "        pos = tl.load(positions_slot).to(tl.pointer_type(tl.int64))",
+        "        last = tl.load(pos + tl.load(positions_slot + 1) - 1)",
+        "        count = tl.load(ctrl)",
+        "        tl.store(out_tokens + count, token)",
+        "        tl.store(next_token, token)",
+        "        tl.store(next_position, last + 1)",
+        "        tl.store(ctrl, count + 1)",
+        "        done = (token == tl.load(ctrl + 2)) | (count + 1 >= tl.load(ctrl + 1))",
+        "        tl.store(ctrl + 3, done.to(tl.int64))",
     ]
     text = HEADER + "\n".join(lines) + "\n"
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     name = f"generate_step_{digest}"
-    buffers = [logits, positions, ctrl, out_tokens, next_token, next_position]
+    buffers = [logits, positions, ctrl, out_tokens, next_token, next_position, scratch]
     return KernelSource(name, "generate_step", text.replace("def generate_step(", f"def {name}("),
-                        ["*i64", "*i64", "*i64", "*i64", "*i64", "*i64"], buffers, (1, 1, 1),
-                        GENERATE_STEP_WARPS if block >= 4096 else 4, 1, [2, 3, 4, 5])
+                        ["*i64"] * 7, buffers, (programs, 1, 1),
+                        GENERATE_STEP_WARPS if block >= 4096 else 4, 1, [2, 3, 4, 5, 6])

@@ -20,6 +20,8 @@ from .lower import LoweringError
 # the generation's state entries (a model with a buffer of one of these names is refused)
 CTRL, OUT_TOKENS, NEXT_TOKEN, NEXT_POSITION = ("generate.ctrl", "generate.out_tokens",
                                                "generate.next_token", "generate.next_position")
+# where the step's programs meet (codegen.generate_step_source): zero between steps
+STEP_SCRATCH = "generate.step_scratch"
 
 
 @dataclass
@@ -72,10 +74,11 @@ def add_state(program: Program, spec: dict) -> Program:
     """The lowered program with the generation's state buffers after its own (every graph gets
     the same ones, so they have the same offsets in each), numbered from its next index."""
     taken = {b.name for b in program.state}
-    if taken & {CTRL, OUT_TOKENS, NEXT_TOKEN, NEXT_POSITION}:
+    if taken & {CTRL, OUT_TOKENS, NEXT_TOKEN, NEXT_POSITION, STEP_SCRATCH}:
         raise LoweringError("the model has a buffer named generate.*, which --generate uses")
     capacity = _capacity(program, spec)
-    shapes = ((CTRL, (4,)), (OUT_TOKENS, (capacity,)), (NEXT_TOKEN, (1, 1)), (NEXT_POSITION, (1,)))
+    shapes = ((CTRL, (4,)), (OUT_TOKENS, (capacity,)), (NEXT_TOKEN, (1, 1)), (NEXT_POSITION, (1,)),
+              (STEP_SCRATCH, (2,)))
     added = [Buffer(name, "state", "int64", shape, program.next_index + i)
              for i, (name, shape) in enumerate(shapes)]
     return replace(program, state=program.state + added,
@@ -130,7 +133,7 @@ def plan(graphs, symbols, spec: dict) -> GenerationPlan:
     source = generate_step_source({b.name: b for b in first.outputs}[logits_name],
                                   {b.name: b for b in first.inputs}[spec["positions"]],
                                   state[CTRL], state[OUT_TOKENS], state[NEXT_TOKEN],
-                                  state[NEXT_POSITION])
+                                  state[NEXT_POSITION], state[STEP_SCRATCH])
     return GenerationPlan(source, tokens.name, positions.name, logits_name, capacity, decode)
 
 

@@ -358,7 +358,7 @@ def test_accepted_mutants_are_classified_by_what_they_change(bases):
         lambda m: m["kernels"][1].__setitem__("shared", m["kernels"][1]["shared"] + 16),
         lambda m: m["kernels"][1]["compiled"].__setitem__("shared", 0),               # a record
         lambda m: m["regions"].__setitem__("arena", m["regions"]["arena"] + 256),      # more memory
-        lambda m: m["graphs"][0]["nodes"][2]["deps"].remove(0),                        # implied by 0 -> 1 -> 2
+        lambda m: m["graphs"][0]["nodes"][2]["deps"].insert(0, 0),                     # implied by 0 -> 1 -> 2
         lambda m: m["symbols"][0].__setitem__("max", 80),                             # no graph serves 80
         lambda m: m.setdefault("model", {}).__setitem__("x", 1),
         lambda m: m["weights"].reverse(),                                            # looked up by name

@@ -68,3 +68,63 @@ def test_generate_step_argmax_matches_numpy(tmp_path, vocab):
     for prompt in ([3, 9, DEAD], [11, 2], [late]):
         got = sess.generate(np.array(prompt, np.int64), 6)
         assert list(got) == expected_chain(vocab, prompt[-1], 6), (vocab, prompt)
+
+
+class TableLM(torch.nn.Module):
+    """The logits after token t are row t of a table: each row a designed argmax case."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = torch.nn.Parameter(table, requires_grad=False)
+        self.register_buffer("seen", torch.zeros(CAP))
+
+    def forward(self, idx, input_pos):
+        self.seen[input_pos] = idx[0].float()
+        return self.table[idx] + 0 * self.seen.sum()
+
+
+def _designed_rows(vocab, block):
+    """(row, expected column): the cases where the step's programs must agree on torch's answer."""
+    inf, cases = float("inf"), []
+
+    def row(fill=-1.0, **at):
+        r = torch.full((vocab,), fill)
+        for col, v in at.items():
+            r[int(col[1:])] = v
+        return r
+    # a tie across a program boundary and a third copy later: the first wins
+    cases.append((row(**{f"c{block - 1}": 5.0, f"c{block}": 5.0, f"c{vocab - 3}": 5.0}), block - 1))
+    # -0.0 in the first program, +0.0 in a later one: equal, so the first
+    cases.append((row(**{"c10": -0.0, f"c{2 * block + 1}": 0.0}), 10))
+    cases.append((row(-inf), 0))                                             # all -inf: column 0
+    cases.append((row(-3e38, **{f"c{vocab - 1}": -1e38}), vocab - 1))      # the ragged end
+    cases.append((row(0.0, **{f"c{block + 7}": 1e-37}), block + 7))        # tiny but largest
+    cases.append((row(-inf, c3=float("nan"), **{f"c{vocab - 2}": 1.0}), vocab - 2))  # NaN never wins
+    cases.append((row(-2.0, c0=-1.5), 0))                                    # all negative
+    cases.append((row(3e38, **{f"c{2 * block}": inf}), 2 * block))          # +inf beats huge
+    return cases
+
+
+@pytest.mark.parametrize("programs", [1, 2, 64])
+def test_generate_step_programs_agree_on_the_first_maximum(tmp_path, monkeypatch, programs):
+    """The step's programs fold their bests into one key (value, then smaller column) with an
+    atomic max, the last to arrive advances: across program boundaries the answer is torch's
+    argmax (NaN aside), with one program walking several rounds, two, and one round each."""
+    monkeypatch.setattr(codegen, "GENERATE_STEP_PROGRAMS", programs)
+    block = codegen.GENERATE_STEP_BLOCK
+    vocab = 3 * block + 77
+    cases = _designed_rows(vocab, block)
+    table = torch.stack([r for r, _ in cases])
+    t = Dim("seq", min=1, max=CAP)
+    path = grace_compile(TableLM(table).eval(), (torch.zeros(1, 3, dtype=torch.long), torch.arange(3)),
+                         output=tmp_path / "lm.grace", progress=False,
+                         dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                         generate={"tokens": "idx", "positions": "input_pos"})
+    sess = InterpretSession(path)
+    for i, (r, want) in enumerate(cases):
+        if not torch.isnan(r).any():
+            assert int(torch.argmax(r)) == want   # the case says what torch says
+        got = sess.generate(np.array([i], np.int64), 1)
+        assert list(got) == [want], (i, programs)
+    # the meeting words are back at zero after every step
+    assert not sess.read_state()["generate.step_scratch"].any()

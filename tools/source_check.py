@@ -30,7 +30,7 @@ TL_NAMES = frozenset("""
 abs arange argmax bfloat16 broadcast_to ceil cos cumsum dot erf exp float16 float32 float64 floor
 full int1 int16 int32 int64 int8 load log max maximum min minimum multiple_of pointer_type
 program_id rsqrt sigmoid sin sqrt store sum uint8 where zeros
-cumprod reshape atomic_add atomic_max atomic_min log2 exp2 static_range
+cumprod reshape atomic_add atomic_max atomic_min atomic_xchg debug_barrier log2 exp2 static_range
 """.split())
 GDC = ("gdc_launch_dependents", "gdc_wait")
 CALLABLE_NAMES = frozenset({"range", "float", *GDC})
