@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, NotBeforeWait, Writer, and_mask, factor_terms
-from .ir import EXTENTS, Index, Kernel, contiguous_strides, loads, numel
+from .ir import EXTENTS, ITEMSIZE, Index, Kernel, contiguous_strides, loads, numel
 from .extents import is_prefix, true_size
 from .gemm_tiles import Tile
 
@@ -602,6 +602,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
 
     steps = cdiv(chunk, bk)
     early_steps = 0 if ahead or not early else min(steps, GEMV_PREFETCH_STEPS)
+    if early and not ahead and n * k * ITEMSIZE[spec.b.dtype] <= GEMV_PREFETCH_ALL_MAX_BYTES:
+        early_steps = steps   # a small GEMV: all of its weights in flight before the wait
     lo = "k_lo + " if split > 1 else ""   # where this program's K range starts
     ready = []
     if early:
@@ -753,6 +755,11 @@ def _row_stat(w: Writer, spec):
 
 
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
+# Split-KV attention (a decode step) loads a key block's values with its keys, before the scores:
+# both tiles in flight at once. Its splits walk one block or a few, so the loads were two serial
+# trips to memory (in the Llama-1B graph on the H200 attention ran 4.1 µs a layer for ~2 MB,
+# docs/performance.md). Unsplit attention keeps its order: its loop is software-pipelined.
+ATTN_V_EARLY = True
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
 
 
@@ -806,6 +813,11 @@ class GemmPlan:
 # by 2%. Loading more K steps before gdc_wait() (2 or 4) lost 6%, 8 warps lost 18%, 2 stages
 # changed nothing (docs/bench-2026-12-02-decode-1b-gemv-variants.json).
 GEMV_PREFETCH_STEPS = 1   # K steps of its weights a GEMV loads before gdc_wait() (PDL)
+# ...and every K step, for a GEMV of at most this many weight bytes (0: none). Meant for the small
+# projections behind attention (Llama-1B's o: 8 MB, 512 programs of 2 steps, ran at 2 TB/s in the
+# decode graph, half its weights loaded before the wait); the big ones keep one step, since
+# loading more before the wait everywhere lost 4-6% (above, and the fourteenth session's pf2).
+GEMV_PREFETCH_ALL_MAX_BYTES = 0
 GEMV_BK = 1024     # K step: the columns of a weight row a program loads per step
 GEMV_WARPS = 4
 GEMV_STAGES = 1
@@ -1002,6 +1014,17 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"kt = {_masked(kt, mask_k)}.to({tl_dot})")
     if appended:
         w.emit("kt = tl.where(rn[None, :] == new_pos, k_new[:, None], kt)")
+
+    def load_v():
+        vctx = Ctx(w, (b, h, lk, dv), ["ib", "ih", "rn[:, None]", "rdv[None, :]"], mask=mask_v,
+                   zero="zero_v")
+        v = ExprEmitter(w).value(p.v, vctx)
+        w.emit(f"v = {_masked(v, mask_v)}.to({tl_dot})")
+        if appended:
+            w.emit("v = tl.where(rn[:, None] == new_pos, v_new[None, :], v)")
+    v_early = ATTN_V_EARLY and split > 1
+    if v_early:
+        load_v()
     w.emit(f"s = tl.dot(q, kt{prec}) * {p.scale!r}")
     w.emit(f"valid = (rn[None, :] < {lk}) & (rm[:, None] >= 0)")
     _and_into(w, "valid", kvalid)
@@ -1018,12 +1041,8 @@ def attention(kernel: Kernel, w: Writer):
     w.emit("alpha = tl.exp(m_i - m_safe)")
     w.emit("pr = tl.exp(s - m_safe[:, None])")
     w.emit("l_i = l_i * alpha + tl.sum(pr, axis=1)")
-    vctx = Ctx(w, (b, h, lk, dv), ["ib", "ih", "rn[:, None]", "rdv[None, :]"], mask=mask_v,
-               zero="zero_v")
-    v = ExprEmitter(w).value(p.v, vctx)
-    w.emit(f"v = {_masked(v, mask_v)}.to({tl_dot})")
-    if appended:
-        w.emit("v = tl.where(rn[:, None] == new_pos, v_new[None, :], v)")
+    if not v_early:
+        load_v()
     w.emit(f"acc = acc * alpha[:, None] + tl.dot(pr.to({tl_dot}), v{prec})")
     w.emit("m_i = m_new")
     w.indent -= 1 + bool(skips) + bool(masked_block)

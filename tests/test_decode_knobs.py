@@ -8,7 +8,10 @@ knob turned off.
 - a shared residual stream (lower.SHARE_MIN_READS): every residual add is stored by the GEMV
   that computes its last term, so norms and GEMV rows read one vector, with no extra kernel;
 - grouped-query heads packed into one attention program (codegen.ATTN_PACK_GQA);
-- all three at once."""
+- all three at once;
+- split-KV attention loading a key block's values with its keys (codegen.ATTN_V_EARLY, on);
+- small GEMVs loading all their weights before gdc_wait() (codegen.GEMV_PREFETCH_ALL_MAX_BYTES,
+  off)."""
 from __future__ import annotations
 
 import numpy as np
@@ -120,3 +123,35 @@ def test_all_three_knobs_together(tmp_path):
     assert sum("ihr = " in bytes(pkg.section(k["source"])).decode()
                for k in kernels if k["family"] == "attention") == 3
     _check_against_eager(model, path)
+
+
+def test_values_load_with_their_keys(tmp_path):
+    """codegen.ATTN_V_EARLY (on): a split-KV attention loads a key block's values right after its keys,
+    before the scores, so both are in flight at once; off, after the softmax update. The same
+    values either way: the logits match eager in both."""
+    for variant, early in ((None, True), ("vlate:codegen.ATTN_V_EARLY=False", False)):
+        model, path = _compile(tmp_path, variant, f"v{early}", max_seq=256, hidden=96, n_heads=8)
+        pkg, graph, kernels = _decode_graph(path)
+        for k in kernels:
+            if k["family"] != "attention":
+                continue
+            src = bytes(pkg.section(k["source"])).decode()
+            v_at = src.index(" v = tl.where(mask_v")
+            assert (v_at < src.index("s = tl.dot(")) == early, variant
+        _check_against_eager(model, path)
+
+
+def test_small_gemvs_load_all_their_weights_before_the_wait(tmp_path):
+    """codegen.GEMV_PREFETCH_ALL_MAX_BYTES: a GEMV of at most that many weight bytes loads every
+    K step before gdc_wait(), the rest keep GEMV_PREFETCH_STEPS (1). Off by default."""
+    for variant, all_k in ((None, False), ("pfall:codegen.GEMV_PREFETCH_ALL_MAX_BYTES=600000", True)):
+        model, path = _compile(tmp_path, variant, f"pf{all_k}", hidden=2048)
+        pkg, graph, kernels = _decode_graph(path)
+        down = [bytes(pkg.section(k["source"])).decode() for k in kernels if k["family"] == "matmul"
+                and "2048" in bytes(pkg.section(k["source"])).decode()
+                and "gdc_wait()" in bytes(pkg.section(k["source"])).decode()]
+        assert down   # the down projections: K 2048, 64 x 2048 fp32 = 512 KiB of weights
+        for src in down:
+            before = src.split("gdc_wait()")[0]
+            assert ("b_early1" in before) == all_k
+        _check_against_eager(model, path)

@@ -143,12 +143,16 @@ def test_appends_after_attention_change_no_value(tmp_path, dtype):
 
 # decode-graph knobs (tests/test_decode_knobs.py on the CPU), each alone and all together, against
 # a package with all of them off (the split-K GEMV's default K, 8192, is past this model's 2048)
-KNOBS_OFF = "off:lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0"
+_OFF = "lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,codegen.ATTN_V_EARLY=False"
+KNOBS_OFF = f"off:{_OFF}"
 KNOBS = {
-    "split": "split:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0",
-    "share": "share:codegen.ATTN_PACK_GQA=0",
-    "gqa": "gqa:lower.SHARE_MIN_READS=0",
-    "all": "all:codegen.GEMV_SPLIT_MIN_K=2048",
+    "split": "split:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,"
+             "codegen.ATTN_V_EARLY=False",
+    "share": "share:codegen.ATTN_PACK_GQA=0,codegen.ATTN_V_EARLY=False",
+    "gqa": "gqa:lower.SHARE_MIN_READS=0,codegen.ATTN_V_EARLY=False",
+    "vearly": "vearly:lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0",
+    "pfall": f"pfall:{_OFF},codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
+    "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
 }
 
 
@@ -182,8 +186,9 @@ def _knob_kw(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("knob", sorted(KNOBS))
 def test_decode_knobs_keep_the_logits(tmp_path, knob_baseline, knob, dtype):
-    """Split-K GEMVs (the down projection's K 2048 in 2 chunks), the shared residual stream and
-    packed grouped-query heads: prefill and decode logits as the knobs-off package's (fp32: to
+    """Split-K GEMVs (the down projection's K 2048 in 2 chunks), the shared residual stream,
+    packed grouped-query heads, values loaded with their keys and small GEMVs' weights all
+    loaded before the wait: prefill and decode logits as the knobs-off package's (fp32: to
     summation order; bf16: to its rounding), NaN-poisoned sessions, and in fp32 generate() gives
     eager's greedy tokens."""
     from grace.tools.variants import applied, parse_variant
