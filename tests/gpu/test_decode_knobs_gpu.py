@@ -1,0 +1,84 @@
+"""Decode-graph knobs on the H200 (tests/test_decode_knobs.py on the CPU): each alone and all
+together, against a package with every knob off, fp32 and bf16, NaN-poisoned sessions. In a file
+of their own so that `pytest -n 6 --dist loadfile` runs them beside test_generate_gpu.py: together
+the two made one worker's queue the GPU suite's critical path, past its 325 s budget (fourteenth
+session).
+
+Run with `pytest -m gpu tests/gpu`.
+"""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU: run these on the H200 (pytest -m gpu)", allow_module_level=True)
+
+from grace.runtime import load  # noqa: E402
+from grace.tools.models import CachedLlama  # noqa: E402
+from test_generate_gpu import MAX_SEQ, NEW, _compile, _logits_and_tokens, _rel  # noqa: E402
+
+
+# decode-graph knobs (tests/test_decode_knobs.py on the CPU), each alone and all together, against
+# a package with all of them off (the split-K GEMV's default K, 8192, is past this model's 2048)
+_OFF = "lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,codegen.ATTN_V_EARLY=False"
+KNOBS_OFF = f"off:{_OFF}"
+KNOBS = {
+    "split": "split:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,"
+             "codegen.ATTN_V_EARLY=False",
+    "share": "share:codegen.ATTN_PACK_GQA=0,codegen.ATTN_V_EARLY=False",
+    "gqa": "gqa:lower.SHARE_MIN_READS=0,codegen.ATTN_V_EARLY=False",
+    "vearly": "vearly:lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0",
+    "pfall": f"pfall:{_OFF},codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
+    "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
+}
+
+
+@pytest.fixture(scope="module")
+def knob_baseline(tmp_path_factory):
+    """Per dtype: the decoder the knobs are tried on (a K-2048 down projection to split), and the
+    logits and tokens of its package with every knob off, computed once for all knobs."""
+    from grace.tools.variants import applied, parse_variant
+    made = {}
+
+    def get(dtype):
+        if dtype not in made:
+            torch.manual_seed(0)
+            model = CachedLlama(vocab=512, dim=256, n_layers=4, n_heads=8, n_kv_heads=2,
+                                hidden=2048, max_seq=MAX_SEQ).eval().to(dtype)
+            path = tmp_path_factory.mktemp("knobs") / "plain.grace"
+            with applied(parse_variant(KNOBS_OFF)):
+                plain = load(_compile(model, path, **_knob_kw(dtype)))
+            made[dtype] = model, _logits_and_tokens(plain, KNOB_PROMPT)
+        return made[dtype]
+    return get
+
+
+KNOB_PROMPT = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(5))
+
+
+def _knob_kw(dtype):
+    return {"fp32_matmul": "ieee"} if dtype == torch.float32 else {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("knob", sorted(KNOBS))
+def test_decode_knobs_keep_the_logits(tmp_path, knob_baseline, knob, dtype):
+    """Split-K GEMVs (the down projection's K 2048 in 2 chunks), the shared residual stream,
+    packed grouped-query heads, values loaded with their keys and small GEMVs' weights all
+    loaded before the wait: prefill and decode logits as the knobs-off package's (fp32: to
+    summation order; bf16: to its rounding), NaN-poisoned sessions, and in fp32 generate() gives
+    eager's greedy tokens."""
+    from grace.tools.variants import applied, parse_variant
+
+    model, (want, want_tokens) = knob_baseline(dtype)
+    with applied(parse_variant(KNOBS[knob])):
+        knobbed = load(_compile(model, tmp_path / f"{knob}.grace", **_knob_kw(dtype)))
+    got, got_tokens = _logits_and_tokens(knobbed, KNOB_PROMPT)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all() and _rel(g, w) < tol
+    if dtype == torch.float32:
+        assert got_tokens == want_tokens == model.greedy(KNOB_PROMPT, NEW)
