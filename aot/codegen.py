@@ -757,8 +757,9 @@ def _row_stat(w: Writer, spec):
 ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten the serial loop
 # Split-KV attention (a decode step) loads a key block's values with its keys, before the scores:
 # both tiles in flight at once. Its splits walk one block or a few, so the loads were two serial
-# trips to memory (in the Llama-1B graph on the H200 attention ran 4.1 µs a layer for ~2 MB,
-# docs/performance.md). Unsplit attention keeps its order: its loop is software-pipelined.
+# trips to memory. In the Llama-1B decode graph on the H200: attention and combine 94.6 -> 89.9 µs
+# a token, generate() 0.834 -> 0.820 ms (docs/performance.md, fourteenth session). Unsplit
+# attention keeps its order: its loop is software-pipelined.
 ATTN_V_EARLY = True
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
 
@@ -815,8 +816,9 @@ class GemmPlan:
 GEMV_PREFETCH_STEPS = 1   # K steps of its weights a GEMV loads before gdc_wait() (PDL)
 # ...and every K step, for a GEMV of at most this many weight bytes (0: none). Meant for the small
 # projections behind attention (Llama-1B's o: 8 MB, 512 programs of 2 steps, ran at 2 TB/s in the
-# decode graph, half its weights loaded before the wait); the big ones keep one step, since
-# loading more before the wait everywhere lost 4-6% (above, and the fourteenth session's pf2).
+# decode graph, half its weights loaded before the wait). At 16 MB the 1B's o projections gained
+# 7.8 µs a token but its attention lost 7.2 and the big GEMVs 4.8: run() 0.862 -> 0.865 ms
+# (docs/performance.md, fourteenth session). Off.
 GEMV_PREFETCH_ALL_MAX_BYTES = 0
 GEMV_BK = 1024     # K step: the columns of a weight row a program loads per step
 GEMV_WARPS = 4
@@ -1420,8 +1422,9 @@ def table_writer_source(slots: list[dict], extents: dict | None = None) -> Kerne
 
 # The generation step's argmax: programs of GENERATE_STEP_BLOCK logits per load round, at most
 # GENERATE_STEP_PROGRAMS of them (a 128K vocabulary: 32 programs, one round each). On the H200
-# the step of one program walking the row serially cost generate() ~30 µs a token: 0.873 ms/token
-# with 8192-logit rounds, 0.842 with 16384 (Llama-1B, docs/performance.md, fourteenth session).
+# (Llama-1B, docs/performance.md, fourteenth session) one program walking the row serially cost
+# generate() 0.873 ms/token with 8192-logit rounds, 0.842 with 16384 (0.829 with the values
+# loaded early), and these 32 programs 0.820.
 GENERATE_STEP_BLOCK = 4096
 GENERATE_STEP_PROGRAMS = 64
 GENERATE_STEP_WARPS = 4      # (4 below a block of 4096 logits too)
