@@ -1010,20 +1010,20 @@ def attention(kernel: Kernel, w: Writer):
         w.indent += 1
     w.emit(f"zero_k = tl.zeros([{bd}, {bn}], tl.int32)")
     w.emit(f"zero_v = tl.zeros([{bn}, {bdv}], tl.int32)")
-    kctx = Ctx(w, (b, h, lk, d), ["ib", "ih", "rn[None, :]", "rd[:, None]"], mask=mask_k,
-               zero="zero_k")
-    kt = ExprEmitter(w).value(p.k, kctx)
-    w.emit(f"kt = {_masked(kt, mask_k)}.to({tl_dot})")
-    if appended:
-        w.emit("kt = tl.where(rn[None, :] == new_pos, k_new[:, None], kt)")
+
+    def load_tile(var, expr, width, dims, mask, new, at):
+        """The key block transposed (`kt`, [bd, bn]) or the value block (`v`, [bn, bdv]); an
+        appended position takes this call's key or value instead of the cache's."""
+        ctx = Ctx(w, (b, h, lk, width), ["ib", "ih"] + dims, mask=mask, zero=f"zero_{var[0]}")
+        w.emit(f"{var} = {_masked(ExprEmitter(w).value(expr, ctx), mask)}.to({tl_dot})")
+        if appended:
+            w.emit(f"{var} = tl.where({at} == new_pos, {new}, {var})")
+
+    load_tile("kt", p.k, d, ["rn[None, :]", "rd[:, None]"], mask_k, "k_new[:, None]", "rn[None, :]")
 
     def load_v():
-        vctx = Ctx(w, (b, h, lk, dv), ["ib", "ih", "rn[:, None]", "rdv[None, :]"], mask=mask_v,
-                   zero="zero_v")
-        v = ExprEmitter(w).value(p.v, vctx)
-        w.emit(f"v = {_masked(v, mask_v)}.to({tl_dot})")
-        if appended:
-            w.emit("v = tl.where(rn[:, None] == new_pos, v_new[None, :], v)")
+        load_tile("v", p.v, dv, ["rn[:, None]", "rdv[None, :]"], mask_v, "v_new[None, :]",
+                  "rn[:, None]")
     v_early = ATTN_V_EARLY and split > 1
     if v_early:
         load_v()
