@@ -1427,7 +1427,7 @@ def table_writer_source(slots: list[dict], extents: dict | None = None) -> Kerne
 # loaded early), and these 32 programs 0.820.
 GENERATE_STEP_BLOCK = 4096
 GENERATE_STEP_PROGRAMS = 64
-GENERATE_STEP_WARPS = 4      # (4 below a block of 4096 logits too)
+GENERATE_STEP_WARPS = 4      # per program (a block below 4096 logits always takes 4)
 _KEY_LOW = 2**31 - 1         # the index field of a packed (value, index) key
 
 

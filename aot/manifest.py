@@ -42,8 +42,9 @@ HIDDEN_PARAMS = 2   # Triton 3.6 appends global and profile scratch pointers to 
 # already after it by a path of edges (SPEC §5.3: a path of edges of either kind orders two nodes
 # as a path of full edges would), i.e. the graph's roots. True: every node that reads the table,
 # the form before the fourteenth session. In a decode graph that is every node (each reads the
-# extents), and the roots started 12-17 µs after the table writer began though it runs 0.8 µs
-# (docs/performance.md, thirteenth session): the fan-out is a suspect. A/B with
+# extents), and on the H200 the roots then started 17.6-18.1 µs after the table writer began
+# though it runs 0.8 µs; with edges to the roots only, 2.0-4.3 µs, and the Llama-1B decode span
+# fell 842 -> 827 µs (docs/performance.md, fourteenth session). A/B with
 # `--variant fanout:manifest.TABLE_WRITER_FANOUT=True`.
 TABLE_WRITER_FANOUT = False
 
