@@ -1428,7 +1428,6 @@ def table_writer_source(slots: list[dict], extents: dict | None = None) -> Kerne
 GENERATE_STEP_BLOCK = 4096
 GENERATE_STEP_PROGRAMS = 64
 GENERATE_STEP_WARPS = 4      # per program (a block below 4096 logits always takes 4)
-_KEY_LOW = 2**31 - 1         # the index field of a packed (value, index) key
 
 
 def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
@@ -1470,17 +1469,20 @@ def generate_step_source(logits, positions, ctrl, out_tokens, next_token,
         "        best = tl.where(better, x, best)",
         "    m = tl.max(best, 0)",
         f"    col = tl.min(tl.where(best == m, best_i, {vocab}), 0).to(tl.int64)",
-        # the key: the value's bits made order-preserving as a signed int32 (-0.0 taken as +0.0,
-        # which compares equal), shifted non-negative, above the column counted down
-        "    bits = tl.where(m == 0.0, 0.0, m).to(tl.int32, bitcast=True)",
-        "    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648",
-        f"    tl.atomic_max(scratch, (ordered << 31) | ({_KEY_LOW} - col))",
+    ]
+    # the program's key: its best value made an order-preserving int32 (argreduce's; -0.0 as
+    # +0.0, which compares equal), shifted non-negative, above its column counted down
+    key = Writer()
+    _order_key(key, "m", "float32", flip=False, nan_key=None)
+    lines += key.lines + [
+        f"    ordered = key.to(tl.int64) + {INT32_MAX + 1}",
+        f"    tl.atomic_max(scratch, (ordered << 31) | ({INT32_MAX} - col))",
         "    tl.debug_barrier()",
         "    arrived = tl.atomic_add(scratch + 1, 1)",
         f"    if arrived == {programs - 1}:",
-        "        key = tl.atomic_xchg(scratch, 0)",
+        "        won = tl.atomic_xchg(scratch, 0)",
         "        tl.atomic_xchg(scratch + 1, 0)",
-        f"        token = {_KEY_LOW} - (key & {_KEY_LOW})",
+        f"        token = {INT32_MAX} - (won & {INT32_MAX})",
         "        pos = tl.load(positions_slot).to(tl.pointer_type(tl.int64))",
         "        last = tl.load(pos + tl.load(positions_slot + 1) - 1)",
         "        count = tl.load(ctrl)",

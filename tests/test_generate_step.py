@@ -52,15 +52,19 @@ def expected_chain(vocab, last, n):
     return out
 
 
-@pytest.mark.parametrize("vocab", [100, 3 * codegen.GENERATE_STEP_BLOCK + 77])
-def test_generate_step_argmax_matches_numpy(tmp_path, vocab):
+def _session(model, tmp_path) -> InterpretSession:
+    """`model` compiled for generate() (tokens [1, T], positions [T]), on the CPU executor."""
     t = Dim("seq", min=1, max=CAP)
-    path = grace_compile(ArgmaxLM(vocab).eval(),
-                         (torch.zeros(1, 3, dtype=torch.long), torch.arange(3)),
+    path = grace_compile(model.eval(), (torch.zeros(1, 3, dtype=torch.long), torch.arange(3)),
                          output=tmp_path / "lm.grace", progress=False,
                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
                          generate={"tokens": "idx", "positions": "input_pos"})
-    sess = InterpretSession(path)
+    return InterpretSession(path)
+
+
+@pytest.mark.parametrize("vocab", [100, 3 * codegen.GENERATE_STEP_BLOCK + 77])
+def test_generate_step_argmax_matches_numpy(tmp_path, vocab):
+    sess = _session(ArgmaxLM(vocab), tmp_path)
     # a token whose maximum lies in the last, ragged block
     late = next(t for t in range(1, vocab) if t != DEAD
                 and (t * 7919 + 13) % vocab >= vocab - 77 + 1)
@@ -115,12 +119,7 @@ def test_generate_step_programs_agree_on_the_first_maximum(tmp_path, monkeypatch
     vocab = 3 * block + 77
     cases = _designed_rows(vocab, block)
     table = torch.stack([r for r, _ in cases])
-    t = Dim("seq", min=1, max=CAP)
-    path = grace_compile(TableLM(table).eval(), (torch.zeros(1, 3, dtype=torch.long), torch.arange(3)),
-                         output=tmp_path / "lm.grace", progress=False,
-                         dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                         generate={"tokens": "idx", "positions": "input_pos"})
-    sess = InterpretSession(path)
+    sess = _session(TableLM(table), tmp_path)
     for i, (r, want) in enumerate(cases):
         if not torch.isnan(r).any():
             assert int(torch.argmax(r)) == want   # the case says what torch says
@@ -128,3 +127,18 @@ def test_generate_step_programs_agree_on_the_first_maximum(tmp_path, monkeypatch
         assert list(got) == [want], (i, programs)
     # the meeting words are back at zero after every step
     assert not sess.read_state()["generate.step_scratch"].any()
+
+
+@pytest.mark.parametrize("rows,want", [
+    ([[1.5]], [0]),                                  # a vocabulary of one: column 0
+    ([[-0.0, 0.0], [float("-inf")] * 2], [0, 0]),   # two: a ±0 tie, all -inf (token ids < 2)
+    ([[-1.0, 2.0], [3.0, float("nan")]], [1, 0]),    # the second wins; NaN never does
+])
+def test_generate_step_tiny_vocabularies(tmp_path, rows, want):
+    """Vocabularies of one and two logits: one program, a one- or two-lane block."""
+    table = torch.tensor(rows)
+    sess = _session(TableLM(table), tmp_path)
+    for i, w in enumerate(want):
+        if not torch.isnan(table[i]).any():   # torch's argmax picks NaN; the step never does
+            assert int(torch.argmax(table[i])) == w
+        assert list(sess.generate(np.array([i], np.int64), 1)) == [w]
