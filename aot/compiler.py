@@ -29,7 +29,7 @@ import torch
 
 from grace.formats import archs as arch_rules
 
-from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_stats, gemm_tiles, generation, l2_prefetch, lower, manifest, memplan,
+from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_stats, gemm_tiles, generation, lower, manifest, memplan,
                verify_ir, versions)
 from .check import relocate
 
@@ -390,12 +390,11 @@ def _codegen(b: BucketState, st: CompileState) -> BucketState:
             raise lower.LoweringError(f"{exc} — in the kernel for node '{k.label}'") from exc
     readers = [any(buf.kind == "extents" for buf in src.buffers) for src in b.sources]
     deps = memplan.dependencies(b.kernels, b.plan, readers)
-    prefetches = l2_prefetch.plan(b.kernels, b.sources, target.pdl)
     all_bounds = {s.name: int(b.program.bounds.get(s.expr, s.hi or 0)) for s in st.symbols}
     archs = None if len(st.targets) == 1 else target.archs
     b.graph = manifest.GraphBuild(b.name, all_bounds, b.program, b.kernels, b.plan, deps, b.sources,
                                  archs=archs, pdl=target.pdl, sm_count=target.sm_count,
-                                 bucket_name=b.bucket_name or b.name, prefetches=prefetches)
+                                 bucket_name=b.bucket_name or b.name)
     return b
 
 
@@ -431,9 +430,9 @@ def _table(st: CompileState) -> CompileState:
     if st.lists:
         st.recorded["buckets"] = st.lists
         st.recorded["bucket_cost"] = _cost_note(st.symbols, st.lists)
-    st.unique = {s.name: s for s in [st.writer] + [src for g in st.graphs for src in g.all_sources]
+    st.unique = {s.name: s for s in [st.writer] + [src for g in st.graphs for src in g.sources]
                  + ([st.step.source] if st.step else [])}
-    _check_same_builds([st.writer] + [src for g in st.graphs for src in g.all_sources])
+    _check_same_builds([st.writer] + [src for g in st.graphs for src in g.sources])
     targets = "" if len(st.targets) == 1 else \
         f" for {len(st.targets)} targets ({'; '.join(_target_text(t) for t in st.targets)})"
     _say(st.options, f"[bold]grace[/]: {st.name}: {len(st.graphs)} graph(s){targets}, "

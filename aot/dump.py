@@ -153,7 +153,7 @@ class Dump:
         if text is not None:
             self._write(rel, text)
         if stage.name == "codegen":
-            for src in (state.graph.all_sources if state.graph else state.sources):
+            for src in state.sources:
                 self._write(f"kernels/{src.name}.py", src.source)
         elif stage.name == "table":
             for src in [st.writer] + ([st.step.source] if st.step else []):
@@ -227,10 +227,6 @@ def _codegen(b, _):
                   f"{src.num_stages}  writes params {list(src.writes)}",
                   f"    params {params}",
                   f"    after kernels {['#%d' % d for d in g.deps[j]] or '-'}"]
-    for anchor, src, label in g.prefetches:   # side nodes (aot/l2_prefetch.py)
-        lines += [f"side {src.name}  ({label!r})",
-                  f"    grid {list(src.grid)}  prefetches from {src.buffers[0].name}",
-                  f"    after kernel #{anchor}, nothing waits for it"]
     return "\n".join(lines) + "\n"
 
 

@@ -93,14 +93,6 @@ class GraphBuild:
     pdl: bool | None = None
     sm_count: int | None = None
     bucket_name: str | None = None
-    # side nodes (aot/l2_prefetch.py): (kernel index it depends on, source, label), after the
-    # kernels' nodes
-    prefetches: list = field(default_factory=list)
-
-    @property
-    def all_sources(self) -> list:
-        """The kernels' sources, then the side nodes'."""
-        return list(self.sources) + [src for _, src, _ in self.prefetches]
 
 
 def _arg(buf: Buffer, plan: MemoryPlan, slots: list[dict], extents: dict,
@@ -212,7 +204,7 @@ def kernel_archs(writer: KernelSource, graphs: list[GraphBuild], archs: list[str
         need.setdefault(src.name, set()).update(archs)
     for g in graphs:
         served = archs if g.archs is None else g.archs
-        for src in g.all_sources:
+        for src in g.sources:
             need.setdefault(src.name, set()).update(served)
     return {name: tuple(a for a in archs if a in wanted) for name, wanted in need.items()}
 
@@ -225,7 +217,7 @@ def _kernel_entries(writer: KernelSource, graphs: list[GraphBuild], binaries: di
     unique: dict[str, int] = {}
     entries, sources = [], []
     per_kernel = kernel_archs(writer, graphs, archs, extra)
-    for src in [writer] + [s for g in graphs for s in g.all_sources] + list(extra):
+    for src in [writer] + [s for g in graphs for s in g.sources] + list(extra):
         if src.name in unique:
             continue
         unique[src.name] = len(entries)
@@ -288,17 +280,8 @@ def _graph_entry(g: GraphBuild, writer: KernelSource, unique: dict, slots, exten
         uses.setdefault(node["kernel"], []).append(
             _use(index, len(nodes), src.grid, [_describe(b, slots, extents) for b in src.buffers]))
         nodes.append(node)
-    for anchor, src, label in g.prefetches:   # nothing depends on them (aot/l2_prefetch.py)
-        node = {"kernel": unique[src.name], "grid": list(src.grid),
-                "args": [_arg(b, g.plan, slots, extents, errors) for b in src.buffers],
-                "deps": [anchor + 1], "label": label}
-        if pdl:
-            node["programmatic"] = [anchor + 1]
-        uses.setdefault(node["kernel"], []).append(
-            _use(index, len(nodes), src.grid, [_describe(b, slots, extents) for b in src.buffers]))
-        nodes.append(node)
     families: dict[str, int] = {}
-    for src in g.all_sources:
+    for src in g.sources:
         families[src.family] = families.get(src.family, 0) + 1
     stats = {"kernels": len(g.kernels), "unique_kernels": len({s.name for s in g.sources}),
              "families": families, "weights_nbytes": g.plan.weights_nbytes,

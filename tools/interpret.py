@@ -856,8 +856,6 @@ def _run_node(package, kernels, graph: str, i: int, node, regions, words: list[i
     """Node i of graph `graph` (a formats.view.Node, validated: its kernel exists, one argument
     per parameter, every word and range in bounds) with its recorded grid and arguments."""
     kernel = kernels[node.kernel]
-    if kernel.family == "l2_prefetch":   # aot/l2_prefetch.py: moves no value (and Triton's
-        return                           # interpreter runs no inline PTX)
     where = f"graph {graph!r} node {i} ({node.label or kernel.name})"
     args = [words[a.word] if a.word is not None else _region_view(regions, a, p, f"{where} parameter {p.name!r}")
             for a, p in zip(node.args, kernel.params)]

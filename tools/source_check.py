@@ -13,8 +13,7 @@ aot/generation.py and the table writer produce:
   expressions names (parameters, locals, `tl`, `range`, `float`, the two gdc functions; nothing
               that starts with an underscore), constants, arithmetic, comparisons, subscripts
               and slices, tuples and lists, calls of `tl.<name>` for the names in TL_NAMES, of
-              `range`, `float` and the gdc functions, and of `.to(...)` on a value;
-              `tl.inline_asm_elementwise` only with an instruction string of INLINE_ASM
+              `range`, `float` and the gdc functions, and of `.to(...)` on a value
 
 Everything else (other imports, attribute access off the whitelist, builtins such as `open`,
 dunder names, lambdas, comprehensions, nested functions, `while`, `with`, `try`) is refused with
@@ -33,9 +32,6 @@ full int1 int16 int32 int64 int8 load log max maximum min minimum multiple_of po
 program_id rsqrt sigmoid sin sqrt store sum uint8 where zeros
 cumprod reshape atomic_add atomic_max atomic_min atomic_xchg debug_barrier log2 exp2 static_range
 """.split())
-# Inline PTX, only as these exact instructions: the L2 prefetch of aot/l2_prefetch.py (`$1`: an
-# address; it moves no value, so the CPU reference executor skips that kernel)
-INLINE_ASM = frozenset({"prefetch.global.L2::evict_last [$1];\nmov.u32 $0, 0;"})
 GDC = ("gdc_launch_dependents", "gdc_wait")
 CALLABLE_NAMES = frozenset({"range", "float", *GDC})
 METHODS = frozenset({"to"})
@@ -179,12 +175,6 @@ class _Checker:
         if isinstance(f, ast.Name):
             if f.id not in CALLABLE_NAMES:
                 raise SourceRefused(f"line {e.lineno}: call of {f.id!r} is not allowed")
-        elif (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "tl"
-              and f.attr == "inline_asm_elementwise"):
-            asm = e.args[0] if e.args else None
-            if not (isinstance(asm, ast.Constant) and asm.value in INLINE_ASM):
-                raise SourceRefused(f"line {e.lineno}: inline assembly other than grace's L2 "
-                                    "prefetch is not allowed")
         elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "tl":
             self.attribute(f)
         elif isinstance(f, ast.Attribute) and f.attr in METHODS:
