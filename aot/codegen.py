@@ -554,9 +554,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     def operand(op: str, kk: str, rk: str = "rk", var: str | None = None) -> str:
         """Emit the `op` tile of the K step whose columns are `rk`; return its variable (`var`,
         else one named after `kk`). Masked past K where K is uneven or `rk` may run past it."""
-        end = f"k_lo + {chunk}" if split > 1 else k   # a look-ahead stops at its chunk's end
         k_term = None if even_k and rk == "rk" else _and_terms(
-            f"({rk}[None, :] < {end})", _dim_valid(w, k_ext, f"{rk}[None, :]"))
+            f"({rk}[None, :] < {k})", _dim_valid(w, k_ext, f"{rk}[None, :]"))
         b_term = _dim_valid(w, ext[0], "bz")
         if op == "a":
             mask = _mask(w, "mask_a", k_term, b_term)
@@ -597,16 +596,15 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
                 f"tl.where({mask}, {v}.to(tl.float32), {init})"
             w.emit("s_acc = " + REDUCE_COMBINE[spec.stat_op].format(acc="s_acc", v=v))
 
-    lo = "k_lo + " if split > 1 else ""   # where this program's K range starts
-
     def first_weights():   # ahead: the first K step's weight tile, before the loop
-        w.emit(f"rk_next = {lo}tl.arange(0, {bk})")
+        w.emit(f"rk_next = tl.arange(0, {bk})")
         operand("b", "next", rk="rk_next", var="b_next")
 
     steps = cdiv(chunk, bk)
     early_steps = 0 if ahead or not early else min(steps, GEMV_PREFETCH_STEPS)
     if early and not ahead and n * k * ITEMSIZE[spec.b.dtype] <= GEMV_PREFETCH_ALL_MAX_BYTES:
         early_steps = steps   # a small GEMV: all of its weights in flight before the wait
+    lo = "k_lo + " if split > 1 else ""   # where this program's K range starts
     ready = []
     if early:
         with w.before_wait():
@@ -865,11 +863,6 @@ GEMV_SPLIT_PER_SM = 16
 GEMV_LONG_K = 0         # past this K: GEMV_LONG_TILE tiles, GEMV_LONG_AHEAD steps ahead; 0: off
 GEMV_LONG_TILE = (4, 512)
 GEMV_LONG_AHEAD = 1
-# Every template GEMV of two or more K steps loads the next step's weights before it sums its own
-# (`GemmPlan.ahead`), split-K ones included: the second step's weights are then in flight beside
-# the row's load after gdc_wait(), not behind it (Llama-1B: K 2048 in 1024-column steps, the down
-# projection split into 2048-column chunks). Off until timed (--variant).
-GEMV_AHEAD_ALL = False
 
 
 def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
@@ -905,8 +898,6 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
                 while (cdiv(n, bn) * batch * split * 2 <= GEMV_SPLIT_PER_SM * sm_count
                        and k % (split * 2 * bk) == 0):
                     split *= 2
-            if GEMV_AHEAD_ALL and k // split > bk:
-                ahead = max(ahead, 1)
             return GemmPlan(1, bn, bk, split, gemv=True, ahead=ahead)
     # (32, 32) is left out: with tf32x3 and a deep K step it ran 2-5x slower than both its
     # neighbours on the H200 (docs/performance.md, run 8).

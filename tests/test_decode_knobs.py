@@ -13,9 +13,7 @@ knob turned off.
 - small GEMVs loading all their weights before gdc_wait() (codegen.GEMV_PREFETCH_ALL_MAX_BYTES,
   off);
 - split-KV attention loading its keys and values before the mask's skip test
-  (codegen.ATTN_KV_BEFORE_MASK, off);
-- every GEMV of two or more K steps loading the next step's weights before it sums its own,
-  split-K ones included (codegen.GEMV_AHEAD_ALL, off)."""
+  (codegen.ATTN_KV_BEFORE_MASK, off)."""
 from __future__ import annotations
 
 import numpy as np
@@ -176,28 +174,4 @@ def test_keys_and_values_load_before_the_mask_test(tmp_path):
             test = src.index("if tl.max(keep")
             assert (src.index("kt = ") < test) == first, variant
             assert (src.index(" v = tl.where(mask_v") < test) == first, variant
-        _check_against_eager(model, path)
-
-
-def test_gemvs_load_their_next_weights_ahead(tmp_path):
-    """codegen.GEMV_AHEAD_ALL: a GEMV of two or more K steps keeps the next step's weight tile in
-    flight while it sums its own (`b_next`), the first tile before gdc_wait(); a split-K GEMV
-    starts at its chunk and stops its look-ahead at the chunk's end (`k_lo + chunk`), so no chunk
-    loads its neighbour's weights. The down projection split as the default splits K 8192 (here
-    K 2048 in two chunks of two 512-column steps): logits against eager either way."""
-    split_k = "codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_BK=512,codegen.GEMV_SPLIT_PER_SM=8"
-    for variant, ahead in ((f"plain:{split_k}", False),
-                           (f"ahead:{split_k},codegen.GEMV_AHEAD_ALL=True", True)):
-        model, path = _compile(tmp_path, variant, f"ahead{ahead}", hidden=2048)
-        pkg, graph, kernels = _decode_graph(path)
-        gemvs = [bytes(pkg.section(k["source"])).decode() for k in kernels
-                 if k["family"] == "matmul"]
-        split = [src for src in gemvs if "k_lo = " in src]
-        assert split   # the down projections
-        assert all(("b_next" in src) == ahead for src in split)
-        if ahead:
-            for src in split:
-                before = src.split("gdc_wait()")[0]
-                assert "rk_next = k_lo + tl.arange(" in before
-                assert "< k_lo + " in src.split("gdc_wait()")[1]
         _check_against_eager(model, path)
