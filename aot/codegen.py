@@ -761,11 +761,6 @@ ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten t
 # a token, generate() 0.834 -> 0.820 ms (docs/performance.md, fourteenth session). Unsplit
 # attention keeps its order: its loop is software-pipelined.
 ATTN_V_EARLY = True
-# Split-KV attention with a mask (a decode step over a static cache: -inf past the position) also
-# issues its key and value loads before the test that skips a block the mask rules out, so the
-# three loads are one trip to memory instead of two (mask, then keys and values). The price: a
-# block past the position loads its keys and values for nothing. Off until timed (--variant).
-ATTN_KV_BEFORE_MASK = False
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
 
 
@@ -996,37 +991,10 @@ def attention(kernel: Kernel, w: Writer):
                    None if dv == bdv else f"(rdv[None, :] < {dv})")
     kvalid = _dim_valid(w, lk_ext, "rn[None, :]")
     masked_block = p.mask is not None
-
-    def zeros():
-        w.emit(f"zero_k = tl.zeros([{bd}, {bn}], tl.int32)")
-        w.emit(f"zero_v = tl.zeros([{bn}, {bdv}], tl.int32)")
-
-    def load_tile(var, expr, width, dims, mask, new, at):
-        """The key block transposed (`kt`, [bd, bn]) or the value block (`v`, [bn, bdv]); an
-        appended position takes this call's key or value instead of the cache's."""
-        ctx = Ctx(w, (b, h, lk, width), ["ib", "ih"] + dims, mask=mask, zero=f"zero_{var[0]}")
-        w.emit(f"{var} = {_masked(ExprEmitter(w).value(expr, ctx), mask)}.to({tl_dot})")
-        if appended:
-            w.emit(f"{var} = tl.where({at} == new_pos, {new}, {var})")
-
-    def load_k():
-        load_tile("kt", p.k, d, ["rn[None, :]", "rd[:, None]"], mask_k, "k_new[:, None]",
-                  "rn[None, :]")
-
-    def load_v():
-        load_tile("v", p.v, dv, ["rn[:, None]", "rdv[None, :]"], mask_v, "v_new[None, :]",
-                  "rn[:, None]")
-    v_early = ATTN_V_EARLY and split > 1
-    kv_first = ATTN_KV_BEFORE_MASK and split > 1 and masked_block
-    if kv_first:
-        zeros()
-        load_k()
-        load_v()
     if p.mask is not None:
         # the mask first: a key block it rules out entirely (False, or -inf when additive: a decode
         # step's keys past the current position in a static cache) contributes nothing to the
-        # softmax, so it is skipped before its keys and values are loaded (ATTN_KV_BEFORE_MASK:
-        # they are loaded before the test)
+        # softmax, so it is skipped before its keys and values are loaded
         w.emit(f"mask_s = (rm[:, None] < {lq_rows}) & (rn[None, :] < {lk})"
                + (f" & {q_valid}" if q_valid else "") + (f" & {kvalid}" if kvalid else ""))
         w.emit(f"zero_s = tl.zeros([{bm}, {bn}], tl.int32)")
@@ -1040,11 +1008,25 @@ def attention(kernel: Kernel, w: Writer):
             w.emit("keep = mask_s & (madd > -float(\"inf\"))")
         w.emit("if tl.max(keep.to(tl.int32)) > 0:")
         w.indent += 1
-    if not kv_first:
-        zeros()
-        load_k()
-        if v_early:
-            load_v()
+    w.emit(f"zero_k = tl.zeros([{bd}, {bn}], tl.int32)")
+    w.emit(f"zero_v = tl.zeros([{bn}, {bdv}], tl.int32)")
+
+    def load_tile(var, expr, width, dims, mask, new, at):
+        """The key block transposed (`kt`, [bd, bn]) or the value block (`v`, [bn, bdv]); an
+        appended position takes this call's key or value instead of the cache's."""
+        ctx = Ctx(w, (b, h, lk, width), ["ib", "ih"] + dims, mask=mask, zero=f"zero_{var[0]}")
+        w.emit(f"{var} = {_masked(ExprEmitter(w).value(expr, ctx), mask)}.to({tl_dot})")
+        if appended:
+            w.emit(f"{var} = tl.where({at} == new_pos, {new}, {var})")
+
+    load_tile("kt", p.k, d, ["rn[None, :]", "rd[:, None]"], mask_k, "k_new[:, None]", "rn[None, :]")
+
+    def load_v():
+        load_tile("v", p.v, dv, ["rn[:, None]", "rdv[None, :]"], mask_v, "v_new[None, :]",
+                  "rn[:, None]")
+    v_early = ATTN_V_EARLY and split > 1
+    if v_early:
+        load_v()
     w.emit(f"s = tl.dot(q, kt{prec}) * {p.scale!r}")
     w.emit(f"valid = (rn[None, :] < {lk}) & (rm[:, None] >= 0)")
     _and_into(w, "valid", kvalid)
@@ -1061,7 +1043,7 @@ def attention(kernel: Kernel, w: Writer):
     w.emit("alpha = tl.exp(m_i - m_safe)")
     w.emit("pr = tl.exp(s - m_safe[:, None])")
     w.emit("l_i = l_i * alpha + tl.sum(pr, axis=1)")
-    if not (v_early or kv_first):
+    if not v_early:
         load_v()
     w.emit(f"acc = acc * alpha[:, None] + tl.dot(pr.to({tl_dot}), v{prec})")
     w.emit("m_i = m_new")

@@ -11,9 +11,7 @@ knob turned off.
 - all three at once;
 - split-KV attention loading a key block's values with its keys (codegen.ATTN_V_EARLY, on);
 - small GEMVs loading all their weights before gdc_wait() (codegen.GEMV_PREFETCH_ALL_MAX_BYTES,
-  off);
-- split-KV attention loading its keys and values before the mask's skip test
-  (codegen.ATTN_KV_BEFORE_MASK, off)."""
+  off)."""
 from __future__ import annotations
 
 import numpy as np
@@ -156,22 +154,4 @@ def test_small_gemvs_load_all_their_weights_before_the_wait(tmp_path):
         for src in down:
             before = src.split("gdc_wait()")[0]
             assert ("b_early1" in before) == all_k
-        _check_against_eager(model, path)
-
-
-def test_keys_and_values_load_before_the_mask_test(tmp_path):
-    """codegen.ATTN_KV_BEFORE_MASK: a split-KV attention with a mask issues its key and value
-    loads before `if tl.max(keep ...)` skips a block the mask rules out (one trip to memory, not
-    two); off (the default), inside the test. The same logits either way, against eager, over
-    blocks past the position (all masked) as well as the ones in use."""
-    for variant, first in ((None, False), ("kvfirst:codegen.ATTN_KV_BEFORE_MASK=True", True)):
-        model, path = _compile(tmp_path, variant, f"kv{first}", max_seq=256, hidden=96, n_heads=8)
-        pkg, graph, kernels = _decode_graph(path)
-        attention = [bytes(pkg.section(k["source"])).decode() for k in kernels
-                     if k["family"] == "attention"]
-        assert attention
-        for src in attention:
-            test = src.index("if tl.max(keep")
-            assert (src.index("kt = ") < test) == first, variant
-            assert (src.index(" v = tl.where(mask_v") < test) == first, variant
         _check_against_eager(model, path)

@@ -32,7 +32,6 @@ KNOBS = {
     "gqa": "gqa:lower.SHARE_MIN_READS=0,codegen.ATTN_V_EARLY=False",
     "vearly": "vearly:lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0",
     "pfall": f"pfall:{_OFF},codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
-    "kvfirst": f"kvfirst:{_OFF},codegen.ATTN_KV_BEFORE_MASK=True",
     "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
 }
 
