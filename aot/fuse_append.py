@@ -116,8 +116,6 @@ def _rewrite(kernels: list[Kernel], ai: int) -> list[Kernel] | None:
     spec = att.spec
     if spec.new_pos is not None or spec.lk_ext is not None or att.ext and any(att.ext):
         return None
-    if spec.plan.pack > 1:   # grouped heads packed as rows (codegen.ATTN_PACK_GQA): not handled
-        return None
     k = _whole_read(spec.k, (spec.b, spec.h, spec.lk, spec.d))
     v = _whole_read(spec.v, (spec.b, spec.h, spec.lk, spec.dv))
     if k is None or v is None or k[0].index == v[0].index:

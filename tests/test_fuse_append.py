@@ -22,20 +22,20 @@ ON = parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True")
 MAX_SEQ = 32
 
 
-def _model(n_heads=4, n_kv_heads=2):
+def _model(n_heads=4, n_kv_heads=2, max_seq=MAX_SEQ):
     torch.manual_seed(0)
     model = CachedLlama(vocab=96, dim=64, n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                        hidden=96, max_seq=MAX_SEQ).eval()
+                        hidden=96, max_seq=max_seq).eval()
     return model
 
 
-def _compile(model, path, on: bool, **options):
-    t = Dim("seq", min=1, max=MAX_SEQ)
+def _compile(model, path, on: bool, max_seq=MAX_SEQ, **options):
+    t = Dim("seq", min=1, max=max_seq)
     with applied(ON if on else None):
         return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
                              output=path, progress=False, fp32_matmul="ieee",
                              dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                             buckets={"seq": [1, MAX_SEQ]}, **options)
+                             buckets={"seq": [1, max_seq]}, **options)
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,31 @@ def test_generate_with_the_appends_moved(packages):
     model, path = packages(4, 2, True)
     prompt = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(3))
     assert generate_package(path, prompt.numpy(), 6).tolist() == model.greedy(prompt, 6)
+
+
+def test_packed_grouped_heads(tmp_path):
+    """A cache long enough to split the keys packs a key/value head's query heads into one
+    program (codegen.ATTN_PACK_GQA): that program takes the appended key and value of its one
+    key/value head. Bit for bit the package without the pass, at the cache's start, middle and
+    end (the appended key in the first, a middle and the last split), and eager's values."""
+    model = _model(8, 2, max_seq=256)
+    on = _compile(model, tmp_path / "on.grace", True, max_seq=256)
+    off = _compile(model, tmp_path / "off.grace", False, max_seq=256)
+    package = read_package(on)
+    assert races.check_races(package.manifest) == [] and races.check_pre_wait(package) == []
+    fams = _families(on)
+    decode = [bytes(package.section(k["source"])).decode()
+              for k in package.manifest["kernels"] if k["family"] == "attention"
+              and "new_pos" in bytes(package.section(k["source"])).decode()]
+    assert decode and all("ihr = " in src for src in decode)   # packed, and appended
+    for i, f in enumerate(fams):
+        if f == "attention":
+            assert fams[i + 1:i + 3] == ["scatter", "scatter"], fams
+    idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(1))
+    for prompt in (6, 127, 254):
+        got = _decode(on, idx, prompt=prompt, steps=2)
+        for g, w in zip(got, _decode(off, idx, prompt=prompt, steps=2)):
+            np.testing.assert_array_equal(g, w)
+        for g, r in zip(got, _eager(model, idx, prompt=prompt, steps=2)):
+            err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
+            assert err < 1e-5, (prompt, err)
