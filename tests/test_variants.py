@@ -85,3 +85,31 @@ def test_a_package_compiled_under_a_variant_has_its_kernels(tmp_path):
     default = gemv_rows(grace_compile(model, (x,), output=tmp_path / "default.grace"))
     assert set(wide).isdisjoint(default)   # other sources, other names
     assert sorted(wide.values()) == sorted(-(-g // 2) for g in default.values())
+
+
+def test_a_variant_that_changes_nothing_is_told_apart(tmp_path):
+    """nodes_changed (what the benchmarks record, and warn about at 0): a variant whose constant
+    this model never reaches builds the very graphs of the default (0 nodes differ); one that
+    retiles its GEMVs changes every GEMV node. Another package of the same settings: 0 again."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from grace.aot import compile as grace_compile
+    from grace.formats import read_package
+    from grace.tools.models import MLP
+    from grace.tools.variants import nodes_changed
+
+    torch.manual_seed(0)
+    model, x = MLP(1024, 2048).eval(), torch.randn(1, 1024)
+
+    def manifest(name, variant=None):
+        with applied(parse_variant(variant) if variant else None):
+            return read_package(grace_compile(model, (x,), output=tmp_path / f"{name}.grace")).manifest
+
+    base = manifest("base")
+    # no attention in an MLP: its split never comes up
+    assert nodes_changed(base, manifest("attn", "attn:codegen.ATTN_SPLIT_PROGRAMS_PER_SM=8")) == 0
+    assert nodes_changed(base, manifest("again")) == 0
+    wide = manifest("wide", "wide:codegen.GEMV_TILE=8192")
+    gemvs = sum(wide["kernels"][n["kernel"]]["family"] == "matmul"
+                for g in wide["graphs"] for n in g["nodes"])
+    assert gemvs and nodes_changed(base, wide) >= gemvs

@@ -15,7 +15,9 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
                    load(pdl=False): the same kernels, every edge a full one
   ... fold         (--fold-ab) the same model compiled with fold_row_stats (aot/fuse_stats.py)
   ... NAME         (--variant NAME:codegen.GEMV_TILE=2048,...) the same model compiled with
-                   grace.aot constants set for the compile (tools/variants.py), e.g. a GEMV tile
+                   grace.aot constants set for the compile (tools/variants.py), e.g. a GEMV tile;
+                   a variant whose package has no graph node unlike grace's is logged as such
+                   (its settings did not apply: `nodes_changed` 0 in the JSON)
 `--timeline` adds, for grace's package and each variant, the decode graph's time node by node
 (profile_kernels --timeline, as built), so an A/B shows where the time moved.
 Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes). The HBM
@@ -32,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from grace.tools.variants import applied, parse_variant
+from grace.tools.variants import applied, nodes_changed, parse_variant
 
 COPY_RATE = 4.3e12   # bytes/s, H200 device-to-device copy (design.md §4)
 SHAPES = {
@@ -306,9 +308,13 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         with applied(variant):
             vpath = compile_grace(f"-{variant.name}")
         vpkg = load(vpath, instantiate="eager")
+        changed = nodes_changed(pkg.manifest, vpkg.manifest)
+        if not changed:
+            _log(f"variant {variant.name}: no graph node differs from grace's package, so its "
+                 "settings did not apply to this model; its figures are grace's again")
         measure_grace(vpkg, f" {variant.name}")
         res.setdefault("variants", {})[variant.name] = {
-            "settings": variant.describe(),
+            "settings": variant.describe(), "nodes_changed": changed,
             "graphs": [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                        for g in vpkg.manifest["graphs"]]}
         vpkg.close()

@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from grace.tools.variants import applied, parse_variant
+from grace.tools.variants import applied, nodes_changed, parse_variant
 
 # the dynamic workload: HF BERT-base, batch 1, sequence length 1..MAX_SEQ
 BERT_BASE = dict(layers=12, hidden=768, heads=12, vocab=30522, max_pos=512)
@@ -246,6 +246,13 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("
                          workdir / f"{name}-{variant.name}.grace", precisions[0], iters, repeats,
                          warmup)
         result["notes"][f"grace[{variant.name}]_settings"] = variant.describe()
+        from grace.formats import read_package
+        changed = nodes_changed(read_package(workdir / f"{name}-{precisions[0]}.grace").manifest,
+                                read_package(workdir / f"{name}-{variant.name}.grace").manifest)
+        result["notes"][f"grace[{variant.name}]_nodes_changed"] = changed
+        if not changed:
+            _log(f"{name}: variant {variant.name} changed no graph node of grace's package (its "
+                 "settings do not apply to this model): its figure is grace's again")
     if backend_ab:   # the same pipeline behind torch.compile (aot/backend.py)
         _bench_backend(result, model, x, precisions[0], iters, repeats, warmup)
     result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]

@@ -87,3 +87,22 @@ def applied(variant: Variant | None):
     finally:
         for mod, const, value in reversed(saved):
             setattr(mod, const, value)
+
+
+def nodes_changed(base: dict, manifest: dict) -> int:
+    """How many graph nodes of `manifest` differ from the same node of `base` (both package
+    manifests of one model): in kernel (by name, a hash of its source), grid, arguments or edges,
+    counting the nodes only one of them has. 0 means the variant's settings changed nothing this
+    model compiles to (a pass whose conditions the model does not meet, a tile no kernel uses),
+    so timing it would only measure noise."""
+    def nodes(m):
+        names = [k["name"] for k in m["kernels"]]
+        return {g["name"]: [(names[n["kernel"]], n["grid"], n["args"], n["deps"],
+                             n.get("programmatic", [])) for n in g["nodes"]]
+                for g in m["graphs"]}
+    a, b = nodes(base), nodes(manifest)
+    changed = 0
+    for graph in a.keys() | b.keys():
+        x, y = a.get(graph, []), b.get(graph, [])
+        changed += sum(p != q for p, q in zip(x, y)) + abs(len(x) - len(y))
+    return changed
