@@ -113,3 +113,33 @@ def test_a_variant_that_changes_nothing_is_told_apart(tmp_path):
     gemvs = sum(wide["kernels"][n["kernel"]]["family"] == "matmul"
                 for g in wide["graphs"] for n in g["nodes"])
     assert gemvs and nodes_changed(base, wide) >= gemvs
+
+
+def test_a_variant_of_the_generation_step_alone_counts(tmp_path):
+    """A variant that changes only generate()'s step kernel (not in any graph) is not taken for
+    a no-op: the step node counts."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from torch.export import Dim
+
+    from grace.aot import compile as grace_compile
+    from grace.formats import read_package
+    from grace.tools.models import CachedLlama
+    from grace.tools.variants import nodes_changed
+
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden=64,
+                        max_seq=8).eval()
+
+    def manifest(name, variant=None):
+        t = Dim("seq", min=1, max=8)
+        with applied(parse_variant(variant) if variant else None):
+            path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                                 output=tmp_path / f"{name}.grace", progress=False,
+                                 dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                                 buckets={"seq": [1, 8]},
+                                 generate={"tokens": "idx", "positions": "input_pos"})
+        return read_package(path).manifest
+
+    base = manifest("base")
+    assert nodes_changed(base, manifest("step", "step:codegen.GENERATE_STEP_BLOCK=32")) == 1

@@ -90,16 +90,21 @@ def applied(variant: Variant | None):
 
 
 def nodes_changed(base: dict, manifest: dict) -> int:
-    """How many graph nodes of `manifest` differ from the same node of `base` (both package
-    manifests of one model): in kernel (by name, a hash of its source), grid, arguments or edges,
-    counting the nodes only one of them has. 0 means the variant's settings changed nothing this
+    """How many graph nodes of `manifest` (and generate()'s step) differ from the same node of
+    `base` (both package manifests of one model): in kernel (by name, a hash of its source),
+    grid, arguments or edges, counting the nodes only one of them has. 0 means the variant's settings changed nothing this
     model compiles to (a pass whose conditions the model does not meet, a tile no kernel uses),
     so timing it would only measure noise."""
+    def node(names, n):
+        return (names[n["kernel"]], n["grid"], n["args"], n["deps"], n.get("programmatic", []))
+
     def nodes(m):
         names = [k["name"] for k in m["kernels"]]
-        return {g["name"]: [(names[n["kernel"]], n["grid"], n["args"], n["deps"],
-                             n.get("programmatic", [])) for n in g["nodes"]]
-                for g in m["graphs"]}
+        found = {g["name"]: [node(names, n) for n in g["nodes"]] for g in m["graphs"]}
+        step = (m.get("generate") or {}).get("step")
+        if step:   # generate()'s step node: a variant may change only it (its warps, programs)
+            found[" generate step"] = [node(names, step)]
+        return found
     a, b = nodes(base), nodes(manifest)
     changed = 0
     for graph in a.keys() | b.keys():
