@@ -503,12 +503,20 @@ def matmul(kernel: Kernel, w: Writer):
     m_term, n_term = m_term(), n_term()
     mask = _mask(w, "mask", m_term, n_term)
     w.emit(f"zero = tl.zeros([{bm}, {bn}], tl.int32)")
-    if split > 1:
-        w.emit("bz = tl.program_id(2)")   # partial sums: [split * batch, m, n], z-major
-    ctx = Ctx(w, (batch * split, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
-              linear=f"(bz * {m * n} + rm[:, None] * {n} + rn[None, :])", mask=mask, zero="zero")
-    value = ExprEmitter(w, acc="acc").value(kernel.epilogue, ctx)
-    _store(w, kernel, value, ctx, f"[{bm}, {bn}]")
+    if spec.partial is not None:   # split-K summed here (aot/fuse_splitk.py): out is [batch, m, n]
+        ctx = Ctx(w, (batch, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
+                  linear=f"(bz * {m * n} + rm[:, None] * {n} + rn[None, :])", mask=mask, zero="zero")
+        _reduce_own_splits(w, kernel, "acc", f"(tl.program_id(2) // {batch})",
+                           f"bz * {m * n} + rm[:, None] * {n} + rn[None, :]",
+                           f"(bz * {cdiv(m, bm)} + tl.program_id(0)) * {cdiv(n, bn)} + tl.program_id(1)",
+                           mask, f"[{bm}, {bn}]", ctx)
+    else:
+        if split > 1:
+            w.emit("bz = tl.program_id(2)")   # partial sums: [split * batch, m, n], z-major
+        ctx = Ctx(w, (batch * split, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
+                  linear=f"(bz * {m * n} + rm[:, None] * {n} + rn[None, :])", mask=mask, zero="zero")
+        value = ExprEmitter(w, acc="acc").value(kernel.epilogue, ctx)
+        _store(w, kernel, value, ctx, f"[{bm}, {bn}]")
     warps = plan.warps or (4 if bm * bn <= 64 * 64 else 8)
     return (cdiv(m, bm), cdiv(n, bn), batch * split), warps, plan.stages or 3
 
@@ -643,6 +651,13 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     mask = _mask(w, "mask", None if n % bn == 0 else f"(rn < {n})",
                  _dim_valid(w, ext[2], "rn"), _dim_valid(w, ext[0], "bz"))
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
+    if spec.partial is not None:   # split-K summed here (aot/fuse_splitk.py): out is [batch, 1, n]
+        ctx = Ctx(w, (batch, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)",
+                  mask=mask, zero="zero")
+        _reduce_own_splits(w, kernel, "acc_n", f"(tl.program_id(1) // {batch})",
+                           f"bz * {n} + rn",
+                           f"bz * {cdiv(n, bn)} + tl.program_id(0)", mask, f"[{bn}]", ctx)
+        return (cdiv(n, bn), batch * split, 1), GEMV_WARPS, GEMV_STAGES
     if split > 1:
         w.emit("bz = tl.program_id(1)")   # partial sums: [split * batch, 1, n], split-major
     ctx = Ctx(w, (batch * split, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)",
@@ -787,6 +802,37 @@ def _and_terms(*terms) -> str | None:
 
 def _masked(value: str, mask: str) -> str:
     return value if mask == "None" else f"tl.where({mask}, {value}, 0.0)"
+
+
+def _reduce_own_splits(w: Writer, kernel: Kernel, acc: str, z: str, part: str, tile: str,
+                       mask: str, tile_shape: str, final_ctx: Ctx):
+    """A split-K matmul that sums its own splits (aot/fuse_splitk.py): store this program's
+    partial sums `acc` into split `z` of the float32 partial buffer ([split, batch, m, n]) at
+    `part` (the offsets within one split), count the
+    program in the tile's arrival word, and let the tile's last program add up every split
+    (reading around L1: the arena's bytes were other buffers' earlier in the graph), apply the
+    epilogue through `final_ctx` and put the word back to zero for the next kernel. The barrier
+    before the count orders the program's stores before its one-thread atomic (acq_rel at GPU
+    scope, as Triton emits it); the program that sees the others' counts sees their stores."""
+    spec = kernel.spec
+    split = spec.plan.split
+    partial, arrivals = w.ptr(spec.partial), w.ptr(spec.arrivals)
+    step = numel(spec.partial.shape) // split
+    w.emit(f"tl.store({partial} + {z} * {step} + {part}, {acc}"
+           + ("" if mask == "None" else f", mask={mask}") + ")")
+    w.emit("tl.debug_barrier()")
+    w.emit(f"arrived = tl.atomic_add({arrivals} + {tile}, 1)")
+    w.emit(f"if arrived == {split - 1}:")
+    w.indent += 1
+    w.emit(f"total = tl.zeros({tile_shape}, tl.float32)")
+    w.emit(f"for s in tl.static_range({split}):")
+    w.emit(f"    total += tl.load({partial} + s * {step} + {part}"
+           + ("" if mask == "None" else f", mask={mask}, other=0.0")
+           + ", cache_modifier=\".cg\")")
+    value = ExprEmitter(w, acc="total").value(kernel.epilogue, final_ctx)
+    _store(w, kernel, value, final_ctx, tile_shape)
+    w.emit(f"tl.atomic_xchg({arrivals} + {tile}, 0)")
+    w.indent -= 1
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 
 from grace.formats import archs as arch_rules
 
-from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_stats, gemm_tiles, generation, lower, manifest, memplan,
+from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_splitk, fuse_stats, gemm_tiles, generation, lower, manifest, memplan,
                verify_ir, versions)
 from .check import relocate
 
@@ -355,19 +355,25 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
         raise
     if st.options.generate:
         b.program = generation.add_state(b.program, dict(st.options.generate))
+    if fuse_splitk.SPLIT_K_IN_KERNEL:   # the arrival words, in every graph at one offset
+        b.program = fuse_splitk.add_state(b.program)
     return b
 
 
 def _fuse(b: BucketState, st: CompileState) -> BucketState:
     """fuse: epilogue fusion (and, with fold_row_stats, one-row statistics into the GEMVs that
-    read them; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention),
-    then the kernels with nothing to do dropped."""
+    read them; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention;
+    with fuse_splitk.SPLIT_K_IN_KERNEL, split-K matmuls summing their own splits), then the
+    kernels with nothing to do dropped."""
     kernels = fuse.fuse_epilogues(b.program.kernels)
     if st.options.fold_row_stats:
         kernels = fuse_stats.fold_row_stats(kernels)
     if fuse_append.APPEND_AFTER_ATTENTION:   # off: measured 2% slower per decode token
         kernels = fuse_append.append_after_attention(kernels)
-    b.kernels = memplan.drop_empty(kernels)
+    kernels = memplan.drop_empty(kernels)
+    if fuse_splitk.SPLIT_K_IN_KERNEL:   # off: not yet run on a GPU
+        kernels = fuse_splitk.reduce_in_kernel(kernels, b.program)
+    b.kernels = kernels
     return b
 
 

@@ -25,7 +25,7 @@ import sympy
 
 from . import codegen
 from .codegen import AttentionPlan, GemmPlan
-from .ir import Expr, Kernel, Spec, identity_load, loads, numel, only_ops_above
+from .ir import Buffer, Expr, Kernel, Spec, identity_load, loads, numel, only_ops_above
 
 
 # ---- the specs ---------------------------------------------------------------------------------
@@ -180,6 +180,12 @@ class Matmul(Spec):
     stat_rdims: tuple[int, ...] = ()
     stat_op: str = "sum"
     stat_scale: Expr | None = None
+    # Split-K reduced inside the kernel (aot/fuse_splitk.py): each program stores its partial sums
+    # into `partial` (float32 [split, batch, m, n]) and counts itself in `arrivals` (int32 session
+    # state, one word per output tile, zero between kernels); the tile's last program sums the
+    # splits and stores the epilogue into out ([batch, m, n]). None: out holds the partial sums.
+    partial: Buffer | None = None
+    arrivals: Buffer | None = None
 
     def index_spaces(self, out_shape):
         spaces = {"a": (self.batch, self.m, self.k), "b": (self.batch, self.k, self.n)}
@@ -190,14 +196,25 @@ class Matmul(Spec):
         return spaces
 
     def shape_problems(self, out_shape):
+        if self.partial is not None:
+            want = (self.batch, self.m, self.n)
+            problems = [] if tuple(out_shape) == want else [
+                f"out_shape {list(out_shape)} is not [batch, m, n] = {list(want)}"]
+            if self.plan.split < 2 or self.arrivals is None:
+                problems.append("a split-K matmul that reduces its own splits needs split > 1 "
+                                "and its arrival counters")
+            return problems
         want = (self.plan.split * self.batch, self.m, self.n)
         if tuple(out_shape) != want:
             return [f"out_shape {list(out_shape)} is not [split * batch, m, n] = {list(want)}"]
         return []
 
+    def scratch(self):
+        return [self.partial, self.arrivals] if self.partial is not None else []
+
     @property
     def writes_partials(self):
-        return self.plan.split > 1
+        return self.plan.split > 1 and self.partial is None
 
 
 def _bhld_problems(spec, out_shape) -> list[str]:

@@ -354,6 +354,12 @@ class Spec:
                 found += [(f"{f.name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, Expr)]
         return found
 
+    def scratch(self) -> list:
+        """Buffers the kernel writes, and reads back, besides `out`: the partial sums and arrival
+        counters of a split-K matmul that reduces its own splits (aot/fuse_splitk.py). The memory
+        plan keeps an arena one for this kernel alone; the graph's edges order it as a write."""
+        return []
+
     # The family's rules, which the IR verifier (aot/verify_ir.py) checks; the families override
     # them (aot/families.py).
     def index_spaces(self, out_shape) -> dict:
@@ -436,6 +442,10 @@ class Kernel:
             for load in loads(expr):
                 seen.setdefault(load.buf.index, load.buf)
         return list(seen.values())
+
+    def writes(self) -> list[Buffer]:
+        """`out`, then the spec's scratch buffers (Spec.scratch), which it reads back as well."""
+        return [self.out] + self.spec.scratch()
 
     def __repr__(self) -> str:
         label = f" {self.label!r}" if self.label else ""

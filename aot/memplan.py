@@ -55,10 +55,11 @@ def plan_memory(kernels: list[Kernel], weights: list[Buffer],
     last: dict[int, int] = {}
     bufs: dict[int, Buffer] = {}
     for i, k in enumerate(kernels):
-        if k.out.kind == "arena":   # a buffer may be written twice (a copy, then a scatter)
-            first.setdefault(k.out.index, i)
-            last[k.out.index] = i
-            bufs[k.out.index] = k.out
+        for out in k.writes():
+            if out.kind == "arena":   # a buffer may be written twice (a copy, then a scatter)
+                first.setdefault(out.index, i)
+                last[out.index] = i
+                bufs[out.index] = out
         for b in k.reads():
             if b.kind == "arena":
                 if b.index not in first:   # read before (or without) being written
@@ -129,7 +130,7 @@ def dependencies(kernels: list[Kernel], plan: MemoryPlan,
                 out.append((f"state:{b.name}", 0, 1))
         return out
 
-    writes = [ranges([k.out]) for k in kernels]
+    writes = [ranges(k.writes()) for k in kernels]
     reads = [ranges(k.reads()) for k in kernels]
     for j, k in enumerate(kernels):
         if families.of(k).writes_extents:

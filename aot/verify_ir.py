@@ -417,7 +417,7 @@ def check_kernels(kernels: list[Kernel], program=None, stage: str = "", bucket: 
 def _check_indices(kernels: list[Kernel], program, problems: list) -> None:
     """One index, one buffer: the memory plan and the manifest key buffers by Buffer.index, so
     two buffers of one program with the same index would be placed (and passed) as one."""
-    bufs = [b for k in kernels if isinstance(k.out, Buffer) for b in [k.out] + k.reads()]
+    bufs = [b for k in kernels if isinstance(k.out, Buffer) for b in k.writes() + k.reads()]
     if program is not None:
         bufs += program.inputs + program.outputs + program.weights + program.state
     by_index: dict[int, list[Buffer]] = {}
@@ -449,7 +449,7 @@ def check_order(kernels: list[Kernel], deps: list[list[int]], stage: str = "code
         before.append(mask)
     uses: dict[int, list[tuple[int, bool]]] = {}   # Buffer.index -> (kernel, writes), in order
     for j, k in enumerate(kernels):
-        mine = [(b, False) for b in k.reads()] + [(k.out, True)]
+        mine = [(b, False) for b in k.reads()] + [(b, True) for b in k.writes()]
         mine = [(b, w) for b, w in mine if b.kind in ORDERED and b.nbytes]   # empty: no hazard
         missing = {}
         for b, writes in mine:
@@ -480,7 +480,7 @@ def check_plan(plan, kernels: list[Kernel], program=None, stage: str = "memplan"
     weights_read: dict[int, Buffer] = {}
     state_used: dict[int, Buffer] = {}
     for i, k in enumerate(kernels):
-        for b in [k.out] + k.reads():
+        for b in k.writes() + k.reads():
             if b.kind == "arena":
                 bufs[b.index] = b
                 first.setdefault(b.index, i)

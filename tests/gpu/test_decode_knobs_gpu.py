@@ -32,6 +32,8 @@ KNOBS = {
     "gqa": "gqa:lower.SHARE_MIN_READS=0,codegen.ATTN_V_EARLY=False",
     "vearly": "vearly:lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0",
     "pfall": f"pfall:{_OFF},codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
+    # the split down projections sum their own splits (aot/fuse_splitk.py)
+    "splitk": f"splitk:{_OFF},codegen.GEMV_SPLIT_MIN_K=2048,fuse_splitk.SPLIT_K_IN_KERNEL=True",
     "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
 }
 

@@ -1,0 +1,175 @@
+"""aot/fuse_splitk.py (off by default: not yet run on a GPU): a split-K matmul sums its own
+splits, the tile's last program applying the epilogue, and the reduction kernel goes. Through
+the CPU reference executor (programs one after another, so the arrival counting is exercised but
+not its memory ordering, which only a GPU can test): values against eager and against the
+package without the pass, the race proof, and the arrival words back at zero after each call."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+from torch.export import Dim  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.aot import fuse_splitk  # noqa: E402
+from grace.formats import races, read_package  # noqa: E402
+from grace.tools.interpret import InterpretSession  # noqa: E402
+from grace.tools.models import CachedLlama  # noqa: E402
+from grace.tools.variants import applied, parse_variant  # noqa: E402
+
+ON = "sk:fuse_splitk.SPLIT_K_IN_KERNEL=True"
+
+
+class _LinearResidual(torch.nn.Module):
+    """Few rows, deep K (a split-K GEMM, or a GEMV at one row) with an epilogue that reads
+    another input: tanh(x W^T + b) + r."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2048, 48)
+
+    def forward(self, x, r):
+        return torch.tanh(self.lin(x)) + r
+
+
+class _Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.bmm(a, b)
+
+
+def _compile(model, args, path, on, **options):
+    with applied(parse_variant(ON) if on else None):
+        return grace_compile(model, args, output=path, progress=False, fp32_matmul="ieee",
+                             **options)
+
+
+def _families(path):
+    m = read_package(path).manifest
+    return [[m["kernels"][n["kernel"]]["family"] for n in g["nodes"]] for g in m["graphs"]]
+
+
+def _fused_sources(path):
+    pkg = read_package(path)
+    return [(k, bytes(pkg.section(k["source"])).decode()) for k in pkg.manifest["kernels"]
+            if k["family"] == "matmul" and "atomic_add" in bytes(pkg.section(k["source"])).decode()]
+
+
+def _check_package(path):
+    pkg = read_package(path)
+    assert races.check_races(pkg.manifest) == [] and races.check_pre_wait(pkg) == []
+    assert fuse_splitk.ARRIVALS in [e["name"] for e in pkg.manifest["state"]]
+    fused = _fused_sources(path)
+    assert fused
+    for kernel, src in fused:
+        # stores its partial sums, counts itself, and the last program stores the output and
+        # puts the word back: three parameters written
+        assert len(kernel["writes"]) == 3
+        assert src.index("tl.debug_barrier()") < src.index("tl.atomic_add(")
+        assert src.index("tl.atomic_add(") < src.index("tl.atomic_xchg(")
+        assert 'cache_modifier=".cg"' in src
+
+
+def _arrivals_zero(sess):
+    assert not sess.read_state()[fuse_splitk.ARRIVALS].any()
+
+
+def test_off_by_default(tmp_path):
+    torch.manual_seed(0)
+    model = _LinearResidual().eval()
+    path = grace_compile(model, (torch.randn(2, 2048), torch.randn(2, 48)),
+                         output=tmp_path / "m.grace", progress=False)
+    assert fuse_splitk.SPLIT_K_IN_KERNEL is False
+    assert "reduction" in _families(path)[0]
+    assert fuse_splitk.ARRIVALS not in [e["name"] for e in read_package(path).manifest["state"]]
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_split_k_gemm_reduces_its_own_splits(tmp_path, dynamic):
+    """Static rows, and dynamic ones (padding rows masked, the bucket's GEMM split 4 ways, the
+    one-row bucket a GEMV): no reduction kernel is left, and the values are eager's and the
+    unfused package's, over several calls (the arrival words go back to zero each time)."""
+    torch.manual_seed(0)
+    model = _LinearResidual().eval()
+    args = (torch.randn(3, 2048), torch.randn(3, 48))
+    dyn = None
+    if dynamic:
+        rows = Dim("rows", min=1, max=16)
+        dyn = ({0: rows}, {0: rows})
+    off = _compile(model, args, tmp_path / "off.grace", False, dynamic_shapes=dyn)
+    on = _compile(model, args, tmp_path / "on.grace", True, dynamic_shapes=dyn)
+    assert any("reduction" in f for f in _families(off))
+    assert not any("reduction" in f for f in _families(on))
+    _check_package(on)
+    sess_on, sess_off = InterpretSession(on), InterpretSession(off)
+    for n in ((1, 5, 16) if dynamic else (3, 3)):
+        x, r = torch.randn(n, 2048), torch.randn(n, 48)
+        got = sess_on.run({"x": x.numpy(), "r": r.numpy()})["out"]
+        want = sess_off.run({"x": x.numpy(), "r": r.numpy()})["out"]
+        with torch.no_grad():
+            ref = model.double()(x.double(), r.double()).numpy()
+        model.float()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+        _arrivals_zero(sess_on)
+
+
+def test_a_batched_split_k_matmul(tmp_path):
+    """Split-K over a batch of 3: each batch's tiles have arrival words of their own."""
+    torch.manual_seed(0)
+    args = (torch.randn(3, 16, 4096), torch.randn(3, 4096, 32))
+    on = _compile(_Bmm(), args, tmp_path / "on.grace", True)
+    assert "reduction" not in _families(on)[0]
+    _check_package(on)
+    sess = InterpretSession(on)
+    for _ in range(2):
+        a, b = torch.randn(3, 16, 4096), torch.randn(3, 4096, 32)
+        got = sess.run({"a": a.numpy(), "b": b.numpy()})["out"]
+        ref = torch.bmm(a.double(), b.double()).numpy()
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+        _arrivals_zero(sess)
+
+
+def test_a_decode_steps_split_gemvs(tmp_path):
+    """The down projections of a decode step, split as the default splits K >= 8192 (here K
+    2048): each GEMV sums its own splits and adds the residual; prompt and decode steps against
+    eager; generate() gives eager's greedy tokens."""
+    from grace.tools.interpret import generate_package
+
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden=2048,
+                        max_seq=16).eval()
+    t = Dim("seq", min=1, max=16)
+    with applied(parse_variant(f"{ON},codegen.GEMV_SPLIT_MIN_K=2048")):
+        path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                             output=tmp_path / "d.grace", progress=False, fp32_matmul="ieee",
+                             dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                             buckets={"seq": [1, 16]}, sm_count={"sm_90": 2},
+                             generate={"tokens": "idx", "positions": "input_pos"})
+    m = read_package(path).manifest
+    decode = next(g for g in m["graphs"] if g["name"] == "seq=1")
+    names = {k["name"] for k, _ in _fused_sources(path)}
+    fused = [n for n in decode["nodes"] if m["kernels"][n["kernel"]]["name"] in names]
+    assert len(fused) == 3   # one down projection per layer
+    _check_package(path)
+    idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    sess = InterpretSession(path)
+    with torch.no_grad():
+        model.reset_cache()
+        for lo, hi in ((0, 6), (6, 7), (7, 8), (8, 9)):
+            ref = model(idx[:, lo:hi], torch.arange(lo, hi)).double().numpy()
+            got = sess.run({"idx": idx[:, lo:hi].numpy(), "input_pos": np.arange(lo, hi)})["out"]
+            assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5, (lo, hi)
+            _arrivals_zero(sess)
+    prompt = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(3))
+    assert generate_package(path, prompt.numpy(), 6).tolist() == model.greedy(prompt, 6)
+
+
+def test_a_model_buffer_of_the_state_entrys_name_is_refused():
+    from grace.aot.ir import Buffer, Program
+    from grace.aot.lower import LoweringError
+
+    taken = Buffer(fuse_splitk.ARRIVALS, "state", "int32", (4,), 1)
+    with pytest.raises(LoweringError, match="which grace uses"):
+        fuse_splitk.add_state(Program([], [], [], [], {}, state=[taken], next_index=2))
