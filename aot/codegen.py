@@ -503,18 +503,17 @@ def matmul(kernel: Kernel, w: Writer):
     m_term, n_term = m_term(), n_term()
     mask = _mask(w, "mask", m_term, n_term)
     w.emit(f"zero = tl.zeros([{bm}, {bn}], tl.int32)")
-    if spec.partial is not None:   # split-K summed here (aot/fuse_splitk.py): out is [batch, m, n]
-        ctx = Ctx(w, (batch, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
-                  linear=f"(bz * {m * n} + rm[:, None] * {n} + rn[None, :])", mask=mask, zero="zero")
-        _reduce_own_splits(w, kernel, "acc", f"(tl.program_id(2) // {batch})",
-                           f"bz * {m * n} + rm[:, None] * {n} + rn[None, :]",
+    own = spec.partial is not None   # split-K summed here (aot/fuse_splitk.py): out [batch, m, n]
+    if split > 1 and not own:
+        w.emit("bz = tl.program_id(2)")   # partial sums: [split * batch, m, n], z-major
+    offsets = f"bz * {m * n} + rm[:, None] * {n} + rn[None, :]"
+    ctx = Ctx(w, (batch if own else batch * split, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
+              linear=f"({offsets})", mask=mask, zero="zero")
+    if own:
+        _reduce_own_splits(w, kernel, "acc", f"(tl.program_id(2) // {batch})", offsets,
                            f"(bz * {cdiv(m, bm)} + tl.program_id(0)) * {cdiv(n, bn)} + tl.program_id(1)",
                            mask, f"[{bm}, {bn}]", ctx)
     else:
-        if split > 1:
-            w.emit("bz = tl.program_id(2)")   # partial sums: [split * batch, m, n], z-major
-        ctx = Ctx(w, (batch * split, m, n), ["bz", "rm[:, None]", "rn[None, :]"],
-                  linear=f"(bz * {m * n} + rm[:, None] * {n} + rn[None, :])", mask=mask, zero="zero")
         value = ExprEmitter(w, acc="acc").value(kernel.epilogue, ctx)
         _store(w, kernel, value, ctx, f"[{bm}, {bn}]")
     warps = plan.warps or (4 if bm * bn <= 64 * 64 else 8)
@@ -651,19 +650,18 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     mask = _mask(w, "mask", None if n % bn == 0 else f"(rn < {n})",
                  _dim_valid(w, ext[2], "rn"), _dim_valid(w, ext[0], "bz"))
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
-    if spec.partial is not None:   # split-K summed here (aot/fuse_splitk.py): out is [batch, 1, n]
-        ctx = Ctx(w, (batch, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)",
-                  mask=mask, zero="zero")
-        _reduce_own_splits(w, kernel, "acc_n", f"(tl.program_id(1) // {batch})",
-                           f"bz * {n} + rn",
-                           f"bz * {cdiv(n, bn)} + tl.program_id(0)", mask, f"[{bn}]", ctx)
-        return (cdiv(n, bn), batch * split, 1), GEMV_WARPS, GEMV_STAGES
-    if split > 1:
+    own = spec.partial is not None   # split-K summed here (aot/fuse_splitk.py): out [batch, 1, n]
+    if split > 1 and not own:
         w.emit("bz = tl.program_id(1)")   # partial sums: [split * batch, 1, n], split-major
-    ctx = Ctx(w, (batch * split, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)",
-              mask=mask, zero="zero")
-    value = ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx)
-    _store(w, kernel, value, ctx, f"[{bn}]")
+    offsets = f"bz * {n} + rn"
+    ctx = Ctx(w, (batch if own else batch * split, 1, n), ["bz", "zero", "rn"],
+              linear=f"({offsets})", mask=mask, zero="zero")
+    if own:
+        _reduce_own_splits(w, kernel, "acc_n", f"(tl.program_id(1) // {batch})", offsets,
+                           f"bz * {cdiv(n, bn)} + tl.program_id(0)", mask, f"[{bn}]", ctx)
+    else:
+        value = ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx)
+        _store(w, kernel, value, ctx, f"[{bn}]")
     return (cdiv(n, bn), batch * split, 1), GEMV_WARPS, GEMV_STAGES
 
 
@@ -808,8 +806,8 @@ def _reduce_own_splits(w: Writer, kernel: Kernel, acc: str, z: str, part: str, t
                        mask: str, tile_shape: str, final_ctx: Ctx):
     """A split-K matmul that sums its own splits (aot/fuse_splitk.py): store this program's
     partial sums `acc` into split `z` of the float32 partial buffer ([split, batch, m, n]) at
-    `part` (the offsets within one split), count the
-    program in the tile's arrival word, and let the tile's last program add up every split
+    `part` (the offsets within one split), count the program in the tile's arrival word, and
+    let the tile's last program add up every split
     (reading around L1: the arena's bytes were other buffers' earlier in the graph), apply the
     epilogue through `final_ctx` and put the word back to zero for the next kernel. The barrier
     before the count orders the program's stores before its one-thread atomic (acq_rel at GPU

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from .codegen import cdiv
 from .families import Matmul, Reduction
-from .ir import Buffer, Kernel, Load, Program, contiguous_strides, loads
+from .ir import Kernel, Load, Program, contiguous_strides, with_zero_state
 
 SPLIT_K_IN_KERNEL = False
 ARRIVALS = "grace.split_k_arrivals"   # the state entry (a model buffer of this name is refused)
@@ -32,18 +32,12 @@ ARRIVAL_WORDS = 4096                  # output tiles a split-K kernel may have
 
 
 def add_state(program: Program) -> Program:
-    """The lowered program with the arrival words after its own state (every graph gets the
-    same buffer, so it has the same offset in each), numbered from its next index."""
-    import torch   # the compiler's own dependency; the state's initial data is a tensor
-
+    """The lowered program with the arrival words after its own state (every graph gets them,
+    so they have the same offset in each)."""
     from .lower import LoweringError
     if any(b.name == ARRIVALS for b in program.state):
         raise LoweringError(f"the model has a buffer named {ARRIVALS}, which grace uses")
-    buf = Buffer(ARRIVALS, "state", "int32", (ARRIVAL_WORDS,), program.next_index)
-    return replace(program, state=program.state + [buf],
-                   state_data={**program.state_data,
-                               ARRIVALS: torch.zeros(ARRIVAL_WORDS, dtype=torch.int32)},
-                   next_index=program.next_index + 1)
+    return with_zero_state(program, [(ARRIVALS, "int32", (ARRIVAL_WORDS,))])
 
 
 def reduce_in_kernel(kernels: list[Kernel], program: Program) -> list[Kernel]:
@@ -90,5 +84,5 @@ def _fusable(k: Kernel, r: Kernel, kernels: list[Kernel]) -> bool:
     if tuple(r.out_shape) != (spec.batch, spec.m, spec.n):
         return False
     # the partial sums are the reduction's alone (then they are the kernel's scratch)
-    return not any(partial.index in {ld.buf.index for e in other.exprs() for ld in loads(e)}
-                   for other in kernels if other is not r)
+    return not any(b.index == partial.index for other in kernels if other is not r
+                   for b in other.reads())

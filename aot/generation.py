@@ -9,12 +9,10 @@ decode steps inside one CUDA graph WHILE loop (docs/design-state.md).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import dataclass
 
 from .codegen import KernelSource, generate_step_source
-from .ir import Buffer, Program
+from .ir import Program, with_zero_state
 from .lower import LoweringError
 
 # the generation's state entries (a model with a buffer of one of these names is refused)
@@ -79,12 +77,7 @@ def add_state(program: Program, spec: dict) -> Program:
     capacity = _capacity(program, spec)
     shapes = ((CTRL, (4,)), (OUT_TOKENS, (capacity,)), (NEXT_TOKEN, (1, 1)), (NEXT_POSITION, (1,)),
               (STEP_SCRATCH, (2,)))
-    added = [Buffer(name, "state", "int64", shape, program.next_index + i)
-             for i, (name, shape) in enumerate(shapes)]
-    return replace(program, state=program.state + added,
-                   state_data={**program.state_data,
-                               **{b.name: torch.zeros(b.shape, dtype=torch.int64) for b in added}},
-                   next_index=program.next_index + len(added))
+    return with_zero_state(program, [(name, "int64", shape) for name, shape in shapes])
 
 
 def _capacity(program, spec: dict) -> int:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from .ops import COSTLY
@@ -485,6 +485,21 @@ class Program:
 
     def __str__(self) -> str:
         return format_ir(self)
+
+
+def with_zero_state(program: Program, entries) -> Program:
+    """`program` with state buffers of zeros after its own, numbered from its next index:
+    `entries` are (name, dtype, shape). A pass that adds them to every bucket's program gives
+    them the same offsets in every graph (the memory plan packs state in list order)."""
+    import torch   # the compiler's dependency: the initial values are tensors, as the model's
+
+    added = [Buffer(name, "state", dtype, tuple(shape), program.next_index + i)
+             for i, (name, dtype, shape) in enumerate(entries)]
+    return replace(program, state=program.state + added,
+                   state_data={**program.state_data,
+                               **{b.name: torch.zeros(b.shape, dtype=getattr(torch, b.dtype))
+                                  for b in added}},
+                   next_index=program.next_index + len(added))
 
 
 # ----------------------------------------------------------------------------------------------

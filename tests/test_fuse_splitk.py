@@ -115,6 +115,41 @@ def test_a_split_k_gemm_reduces_its_own_splits(tmp_path, dynamic):
         _arrivals_zero(sess_on)
 
 
+def test_edge_values_and_one_row(tmp_path):
+    """Five rows of edge values (the rows=16 bucket: its GEMM split 4 ways, summed in the
+    kernel): ±0.5, tiny and huge magnitudes, ±inf and NaN in x. Each split's partial sum carries
+    them, the last program adds them: inf, -inf and NaN land where the unfused package puts them
+    (bit for bit, NaN at NaN) and where eager does; the finite values match eager. One row takes
+    the rows=1 bucket (an unsplit GEMV at K 2048; split GEMVs: test_a_decode_steps_split_gemvs),
+    which must still agree."""
+    torch.manual_seed(0)
+    model = _LinearResidual().eval()
+    rows = Dim("rows", min=1, max=16)
+    args = (torch.randn(3, 2048), torch.randn(3, 48))
+    off = _compile(model, args, tmp_path / "off.grace", False, dynamic_shapes=({0: rows}, {0: rows}))
+    on = _compile(model, args, tmp_path / "on.grace", True, dynamic_shapes=({0: rows}, {0: rows}))
+    x = torch.randn(5, 2048)
+    x[0] = 0.5
+    x[1] = -0.5
+    x[2] *= 1e-30
+    x[3] *= 1e30
+    x[4, 7], x[4, 1500], x[3, 100] = float("inf"), float("nan"), float("-inf")
+    assert _fused_sources(on)   # the rows=16 bucket's GEMM
+    cases = {"edge": x, "one row": torch.randn(1, 2048)}
+    for name, xs in cases.items():
+        r = torch.randn(xs.shape[0], 48)
+        got = InterpretSession(on).run({"x": xs.numpy(), "r": r.numpy()})["out"]
+        want = InterpretSession(off).run({"x": xs.numpy(), "r": r.numpy()})["out"]
+        np.testing.assert_array_equal(got, want, err_msg=name)
+        with torch.no_grad():
+            ref = model.double()(xs.double(), r.double()).numpy()
+        model.float()
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(ref), err_msg=name)
+        finite = np.isfinite(ref)
+        np.testing.assert_array_equal(got[~finite], ref[~finite], err_msg=name)
+        np.testing.assert_allclose(got[finite], ref[finite], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_a_batched_split_k_matmul(tmp_path):
     """Split-K over a batch of 3: each batch's tiles have arrival words of their own."""
     torch.manual_seed(0)
