@@ -366,27 +366,51 @@ def softmax(kernel: Kernel, w: Writer):
 
 
 def layer_norm(kernel: Kernel, w: Writer):
+    """Each program normalises whole rows. A row that fits one block (up to 4096 columns) is
+    loaded once and kept in registers for its mean, variance and output; a longer one is walked
+    three times. With `keep` (aot/fuse_norm.py: src adds a split-K sum that later kernels read
+    too) that sum, `kept`, is stored there as well, once per element."""
     shape = kernel.out_shape
     rows, cols, br, bn = _row_setup(kernel, w, shape)
     spec = kernel.spec
-    w.emit(f"total = tl.zeros([{br}, 1], tl.float32)")
-    _row_loop(w, cols, bn)
-    x = ExprEmitter(w).value(spec.src, _row_ctx(w, shape, cols))
-    w.emit(f"total += tl.sum(tl.where(mask, {x}.to(tl.float32), 0.0), axis=1)[:, None]")
-    w.indent -= 1
-    w.emit(f"mean = total / {cols}")
-    w.emit(f"sq = tl.zeros([{br}, 1], tl.float32)")
-    _row_loop(w, cols, bn)
-    x = ExprEmitter(w).value(spec.src, _row_ctx(w, shape, cols))
-    w.emit(f"d = tl.where(mask, {x}.to(tl.float32) - mean, 0.0)")
-    w.emit("sq += tl.sum(d * d, axis=1)[:, None]")
-    w.indent -= 1
-    w.emit(f"rstd = tl.rsqrt(sq / {cols} + {spec.eps!r})")
-    _row_loop(w, cols, bn)
-    ctx = _row_ctx(w, shape, cols)
-    emitter = ExprEmitter(w)
-    x = emitter.value(spec.src, ctx)
-    w.emit(f"y = ({x}.to(tl.float32) - mean) * rstd")
+    keep = spec.keep
+
+    def keep_store(emitter, ctx):
+        if keep is not None:
+            w.emit(f"tl.store({w.ptr(keep)} + rows * {cols} + cols, "
+                   f"{emitter.value(spec.kept, ctx)}.to({TL_TYPE[keep.dtype]}), mask=mask)")
+
+    if cols <= bn:   # one block a row: the source is evaluated once
+        _row_loop(w, cols, bn)
+        ctx = _row_ctx(w, shape, cols)
+        emitter = ExprEmitter(w)
+        w.emit(f"x = {emitter.value(spec.src, ctx)}")
+        keep_store(emitter, ctx)
+        w.emit("x = tl.where(mask, x.to(tl.float32), 0.0)")
+        w.emit(f"mean = tl.sum(x, axis=1)[:, None] / {cols}")
+        w.emit("d = tl.where(mask, x - mean, 0.0)")
+        w.emit(f"rstd = tl.rsqrt(tl.sum(d * d, axis=1)[:, None] / {cols} + {spec.eps!r})")
+        w.emit("y = d * rstd")
+    else:
+        w.emit(f"total = tl.zeros([{br}, 1], tl.float32)")
+        _row_loop(w, cols, bn)
+        x = ExprEmitter(w).value(spec.src, _row_ctx(w, shape, cols))
+        w.emit(f"total += tl.sum(tl.where(mask, {x}.to(tl.float32), 0.0), axis=1)[:, None]")
+        w.indent -= 1
+        w.emit(f"mean = total / {cols}")
+        w.emit(f"sq = tl.zeros([{br}, 1], tl.float32)")
+        _row_loop(w, cols, bn)
+        x = ExprEmitter(w).value(spec.src, _row_ctx(w, shape, cols))
+        w.emit(f"d = tl.where(mask, {x}.to(tl.float32) - mean, 0.0)")
+        w.emit("sq += tl.sum(d * d, axis=1)[:, None]")
+        w.indent -= 1
+        w.emit(f"rstd = tl.rsqrt(sq / {cols} + {spec.eps!r})")
+        _row_loop(w, cols, bn)
+        ctx = _row_ctx(w, shape, cols)
+        emitter = ExprEmitter(w)
+        w.emit(f"x = {emitter.value(spec.src, ctx)}")
+        keep_store(emitter, ctx)
+        w.emit("y = (x.to(tl.float32) - mean) * rstd")
     if spec.weight is not None:
         w.emit(f"y = y * {emitter.value(spec.weight, ctx)}.to(tl.float32)")
     if spec.bias is not None:

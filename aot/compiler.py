@@ -29,7 +29,7 @@ import torch
 
 from grace.formats import archs as arch_rules
 
-from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_splitk, fuse_stats, gemm_tiles, generation, lower, manifest, memplan,
+from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_norm, fuse_splitk, fuse_stats, gemm_tiles, generation, lower, manifest, memplan,
                verify_ir, versions)
 from .check import relocate
 
@@ -361,11 +361,14 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
 
 
 def _fuse(b: BucketState, st: CompileState) -> BucketState:
-    """fuse: epilogue fusion (and, with fold_row_stats, one-row statistics into the GEMVs that
+    """fuse: epilogue fusion, split-K sums added by the LayerNorm that reads them (fuse_norm;
+    and, with fold_row_stats, one-row statistics into the GEMVs that
     read them; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention;
     with fuse_splitk.SPLIT_K_IN_KERNEL, split-K matmuls summing their own splits), then the
     kernels with nothing to do dropped."""
     kernels = fuse.fuse_epilogues(b.program.kernels)
+    if fuse_norm.FOLD_SPLIT_K_INTO_NORM:
+        kernels = fuse_norm.fold_into_norms(kernels)
     if st.options.fold_row_stats:
         kernels = fuse_stats.fold_row_stats(kernels)
     if fuse_append.APPEND_AFTER_ATTENTION:   # off: measured 2% slower per decode token

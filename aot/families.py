@@ -139,19 +139,33 @@ class Scan(Spec):
 @dataclass(frozen=True)
 class LayerNorm(Spec):
     """Each row of src ([rows, n] = out_shape) normalised with `eps`, times `weight`, plus
-    `bias` (both optional, evaluated over the same index space)."""
+    `bias` (both optional, evaluated over the same index space). `keep`: the value `kept` (a
+    part of src, over the same index space) is also stored there, contiguous, for the kernels
+    after this one that read it (aot/fuse_norm.py: a residual branch whose split-K sum the
+    LayerNorm adds)."""
 
     family = "layer_norm"
     src: Expr
     eps: float
     weight: Expr | None = None
     bias: Expr | None = None
+    keep: Buffer | None = None
+    kept: Expr | None = None
 
     def index_spaces(self, out_shape):
-        return {key: tuple(out_shape) for key in ("src", "weight", "bias")}
+        return {key: tuple(out_shape) for key in ("src", "weight", "bias", "kept")}
 
     def shape_problems(self, out_shape):
-        return [] if len(out_shape) == 2 else [f"out_shape {list(out_shape)} is not [rows, n]"]
+        problems = [] if len(out_shape) == 2 else [f"out_shape {list(out_shape)} is not [rows, n]"]
+        if (self.keep is None) != (self.kept is None):
+            problems.append("keep and kept go together (a buffer and the value stored in it)")
+        if self.keep is not None and numel(self.keep.shape) != numel(out_shape):
+            problems.append(f"keeps its source in {self.keep.name} ({list(self.keep.shape)}), "
+                            f"not {numel(out_shape)} elements")
+        return problems
+
+    def extra_writes(self):
+        return [self.keep] if self.keep is not None else []
 
 
 @dataclass(frozen=True)
@@ -209,7 +223,7 @@ class Matmul(Spec):
             return [f"out_shape {list(out_shape)} is not [split * batch, m, n] = {list(want)}"]
         return []
 
-    def scratch(self):
+    def extra_writes(self):
         return [self.partial, self.arrivals] if self.partial is not None else []
 
     @property

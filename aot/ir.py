@@ -354,10 +354,11 @@ class Spec:
                 found += [(f"{f.name}[{i}]", v) for i, v in enumerate(value) if isinstance(v, Expr)]
         return found
 
-    def scratch(self) -> list:
-        """Buffers the kernel writes, and reads back, besides `out`: the partial sums and arrival
-        counters of a split-K matmul that reduces its own splits (aot/fuse_splitk.py). The memory
-        plan keeps an arena one for this kernel alone; the graph's edges order it as a write."""
+    def extra_writes(self) -> list:
+        """Buffers the kernel writes besides `out`: the partial sums and arrival counters of a
+        split-K matmul that reduces its own splits (aot/fuse_splitk.py), which only it reads back;
+        the source a LayerNorm keeps for later readers (aot/fuse_norm.py). The memory plan keeps
+        each live from this kernel to its last reader; the graph's edges order it as a write."""
         return []
 
     # The family's rules, which the IR verifier (aot/verify_ir.py) checks; the families override
@@ -444,8 +445,8 @@ class Kernel:
         return list(seen.values())
 
     def writes(self) -> list[Buffer]:
-        """`out`, then the spec's scratch buffers (Spec.scratch), which it reads back as well."""
-        return [self.out] + self.spec.scratch()
+        """`out`, then the spec's other outputs (Spec.extra_writes)."""
+        return [self.out] + self.spec.extra_writes()
 
     def __repr__(self) -> str:
         label = f" {self.label!r}" if self.label else ""

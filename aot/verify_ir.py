@@ -400,12 +400,15 @@ def check_kernels(kernels: list[Kernel], program=None, stage: str = "", bucket: 
             elif k.out.kind == "arena" and k.out.index not in written:
                 checker.say(f"scatters into {k.out.name}, which no earlier kernel wrote (the "
                             "elements it skips would be garbage)")
-        elif k.out.kind != "extents":
-            first = full_writer.setdefault(k.out.index, i)
+        whole = [b for b in k.writes()[1:] if b.kind == "arena"]   # a kept source (fuse_norm)
+        if not _scatters(k) and k.out.kind != "extents":
+            whole.insert(0, k.out)
+        for b in whole:
+            first = full_writer.setdefault(b.index, i)
             if first != i:
-                checker.say(f"writes {k.out.name}, which kernel #{first} already wrote whole (a "
+                checker.say(f"writes {b.name}, which kernel #{first} already wrote whole (a "
                             "buffer has one writer, then scatters)")
-        written.add(k.out.index)
+        written.update(b.index for b in k.writes())
     if program is not None:
         for out in program.outputs:
             if out.index not in written and out.nbytes:

@@ -1,0 +1,203 @@
+"""aot/fuse_norm.py: a split-K reduction folded into the LayerNorm that reads its sum. Through the
+CPU reference executor (NaN-poisoned arena), against fp64 eager and bit for bit against the
+package compiled without the pass, on the three shapes of transformer block it meets: pre-norm
+with the sum kept for the residual (HF ViT, GPT-2), post-norm (BERT, dynamic sequence length at
+lengths that are not bucket sizes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+pytest.importorskip("transformers")
+from torch.export import Dim  # noqa: E402
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.aot import fuse_norm  # noqa: E402
+from grace.formats import races, read_package  # noqa: E402
+from grace.tools import models  # noqa: E402
+from grace.tools.interpret import InterpretSession  # noqa: E402
+from grace.tools.variants import applied, parse_variant  # noqa: E402
+
+OFF = "nofold:fuse_norm.FOLD_SPLIT_K_INTO_NORM=False"
+
+
+def _compile(model, args, path, fold, fp32_matmul="ieee", **options):
+    with applied(None if fold else parse_variant(OFF)):
+        return grace_compile(model, args, output=path, progress=False, fp32_matmul=fp32_matmul,
+                             archs=("sm_90",), **options)
+
+
+def _graphs(path):
+    """Per graph: the family and the label of each node, and the source of each layer norm."""
+    pkg = read_package(path)
+    m = pkg.manifest
+    nodes = [[(m["kernels"][n["kernel"]]["family"], n.get("label", "")) for n in g["nodes"]]
+             for g in m["graphs"]]
+    norms = [(k, bytes(pkg.section(k["source"])).decode()) for k in m["kernels"]
+             if k["family"] == "layer_norm"]
+    return nodes, norms
+
+
+def _folded(nodes) -> list[str]:
+    """Labels of the LayerNorm nodes that took a reduction (its ops come first in the label)."""
+    return [label for family, label in nodes
+            if family == "layer_norm" and not label.startswith("native_layer_norm")]
+
+
+def _keeps(source: str) -> bool:
+    """The LayerNorm stores two row-shaped values: its output and the kept sum."""
+    return sum("tl.store(" in line and "rows * " in line for line in source.splitlines()) == 2
+
+
+def _run(path, feeds):
+    sess = InterpretSession(path)   # poisoned: a value read before it is written is NaN
+    out = sess.run(feeds)
+    return np.asarray(next(iter(out.values())))
+
+
+def _rel(got, ref):
+    got, ref = np.asarray(got, np.float64), ref.detach().double().numpy()
+    return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+
+class _HiddenStates(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model(pixel_values=pixel_values).last_hidden_state
+
+
+def _hf_vit():
+    from transformers import ViTConfig, ViTModel
+    cfg = ViTConfig(hidden_size=384, num_hidden_layers=2, num_attention_heads=6,
+                    intermediate_size=1536, image_size=64, patch_size=8,
+                    attn_implementation="sdpa")
+    return _HiddenStates(ViTModel(cfg, add_pooling_layer=False).eval())
+
+
+def _check_pair(tmp_path, model, args, feeds, reference, **options):
+    """Compile with and without the pass; returns the folded package's graphs."""
+    on = _compile(model, args, tmp_path / "on.grace", True, **options)
+    off = _compile(model, args, tmp_path / "off.grace", False, **options)
+    pkg = read_package(on)
+    assert races.check_races(pkg.manifest) == [] and races.check_pre_wait(pkg) == []
+    for feed, ref in zip(feeds, reference):
+        got_on, got_off = _run(on, feed), _run(off, feed)
+        assert np.isfinite(got_on).all()
+        np.testing.assert_array_equal(got_on, got_off)   # the same sums in the same order
+        assert _rel(got_on, ref) < 1e-5
+    return _graphs(on), _graphs(off)
+
+
+def test_pre_norm_vit_keeps_the_residual_sum(tmp_path):
+    """Two HF ViT-S blocks at batch 1 on a 64-pixel image (65 rows: the MLP's second GEMM
+    splits K): its split-K reduction goes into the LayerNorm after it, which in the first block
+    also stores the residual branch's sum for the next residual add."""
+    torch.manual_seed(0)
+    model = _hf_vit()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        ref = model.double()(x.double())
+    model.float()
+    (on, norms), (off, _) = _check_pair(tmp_path, model, (x,), [{"pixel_values": x.numpy()}],
+                                        [ref])
+    reductions_on = sum(f == "reduction" for f, _ in on[0])
+    reductions_off = sum(f == "reduction" for f, _ in off[0])
+    folded = _folded(on[0])
+    assert len(folded) == 2 and reductions_on == reductions_off - len(folded)
+    assert len(on[0]) == len(off[0]) - len(folded)
+    # the first block's folded norm keeps the sum for the second block's residual add; the
+    # last one (the final norm) has no later reader
+    assert sum(_keeps(src) for _, src in norms) == 1
+
+
+def test_pre_norm_gpt2(tmp_path):
+    torch.manual_seed(0)
+    model = models.hf_gpt2(n_layer=2, n_embd=256, n_head=4, vocab=100, n_positions=64).eval()
+    feeds, refs = [], []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        ids = torch.randint(0, 100, (1, 32))
+        feeds.append({"input_ids": ids.numpy()})
+        with torch.no_grad():
+            refs.append(model.double()(ids))
+        model.float()
+    (on, norms), (off, _) = _check_pair(tmp_path, model, (torch.randint(0, 100, (1, 32)),),
+                                        feeds, refs)
+    assert _folded(on[0]) and any(_keeps(src) for _, src in norms)   # the residual stream
+    assert sum(f == "reduction" for f, _ in on[0]) < sum(f == "reduction" for f, _ in off[0])
+
+
+def test_post_norm_bert_with_dynamic_rows(tmp_path):
+    """BERT (post-norm: LayerNorm(x + proj(...)), the sum read by nothing else, so not kept)
+    with a dynamic sequence: the folded LayerNorm masks the rows past the length as the
+    reduction did; lengths inside a bucket, not at its size."""
+    torch.manual_seed(0)
+    model = models.hf_bert(layers=2, hidden=256, heads=4, vocab=100, max_pos=128).eval()
+    feeds, refs = [], []
+    for n in (20, 77):
+        ids = torch.randint(0, 100, (1, n))
+        feeds.append({"input_ids": ids.numpy()})
+        with torch.no_grad():
+            refs.append(model.double()(ids))
+        model.float()
+    (on, norms), (off, _) = _check_pair(
+        tmp_path, model, (torch.randint(0, 100, (1, 32)),), feeds, refs,
+        dynamic_shapes=({1: Dim("seq", min=1, max=128)},), buckets={"seq": [32, 128]})
+    small_on, small_off = on[0], off[0]   # the 32 bucket: a split-K MLP
+    assert sum(f == "reduction" for f, _ in small_on) < sum(f == "reduction" for f, _ in small_off)
+    assert _folded(small_on) and not any(_keeps(src) for _, src in norms)   # post-norm
+
+
+def test_edge_values_through_a_folded_norm(tmp_path):
+    """±0.5, huge and tiny rows (a variance far under eps), and rows of one repeated value
+    (variance 0, where the output is the LayerNorm's bias)."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(1536, 384)
+            self.norm = torch.nn.LayerNorm(384)
+
+        def forward(self, h, r):
+            x = r + self.proj(h)
+            return self.norm(x), x * 2
+
+    torch.manual_seed(0)
+    model = Block().eval()
+    h = torch.randn(65, 1536)   # 65 rows: the GEMM splits K
+    cases = [(h, torch.randn(65, 384)),
+             (torch.full((65, 1536), 0.5), torch.full((65, 384), -0.5)),
+             (h * 1e-30, 1e4 * torch.randn(65, 384)),
+             (torch.zeros(65, 1536), 1e-20 * torch.randn(65, 384)),
+             (torch.zeros(65, 1536), torch.full((65, 384), 3.0))]
+    on = _compile(model, (h, cases[0][1]), tmp_path / "on.grace", True)
+    off = _compile(model, (h, cases[0][1]), tmp_path / "off.grace", False)
+    nodes, norms = _graphs(on)
+    assert _folded(nodes[0]) and any(_keeps(src) for _, src in norms)   # x * 2 reads x later
+    for hh, rr in cases:
+        feed = {"h": hh.numpy(), "r": rr.numpy()}
+        a = InterpretSession(on).run(feed)
+        b = InterpretSession(off).run(feed)
+        for name in a:
+            np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+        with torch.no_grad():
+            want = model.double()(hh.double(), rr.double())
+        model.float()
+        for got, ref in zip(a.values(), want):
+            ref = ref.numpy()
+            np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=1e-4,
+                                       atol=1e-4 * max(1.0, np.abs(ref).max()))
+
+
+def test_off_switch(tmp_path):
+    torch.manual_seed(0)
+    model = models.hf_gpt2(n_layer=1, n_embd=256, n_head=4, vocab=100, n_positions=64).eval()
+    ids = torch.randint(0, 100, (1, 32))
+    off = _compile(model, (ids,), tmp_path / "off.grace", False)
+    nodes, norms = _graphs(off)
+    assert not _folded(nodes[0]) and "reduction" in [f for f, _ in nodes[0]]
+    assert fuse_norm.FOLD_SPLIT_K_INTO_NORM   # the default, restored after the variant
