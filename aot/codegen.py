@@ -295,11 +295,15 @@ def reduction(kernel: Kernel, w: Writer):
     if not acc_t.startswith("float") and op != "sum":
         init = "-9223372036854775807" if op == "max" else "9223372036854775807"
     tl_acc = TL_TYPE[acc_t]
-    if _unrolled_rows(kernel):
+    if _unrolled_rows(kernel) and spec.keep is None:
         return _unrolled_reduction(kernel, w, op, init, tl_acc)
-    rows, _, br, ctx = _row_blocks(
+    rows, cols, br, ctx = _row_blocks(
         w, spec, lambda br, bn: w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})"))
-    value = ExprEmitter(w).value(spec.src, ctx)
+    emitter = ExprEmitter(w)
+    value = emitter.value(spec.src, ctx)
+    if spec.keep is not None:   # reduced dimensions last: element (row, col) at row * cols + col
+        w.emit(f"tl.store({w.ptr(spec.keep)} + rows * {cols} + cols, "
+               f"{emitter.value(spec.kept, ctx)}.to({TL_TYPE[spec.keep.dtype]}), mask=mask)")
     w.emit(f"value = tl.where(mask, {value}.to({tl_acc}), {init})")
     w.emit("acc = " + REDUCE_COMBINE[op].format(acc="acc", v="value"))
     w.indent -= 1

@@ -75,6 +75,28 @@ class Reduction(SourceSpec):
     rdims: tuple[int, ...]
     op: str
     acc_dtype: str
+    # as LayerNorm's: `kept` (over src_shape, whose reduced dimensions are its last ones) is
+    # also stored into `keep`, contiguous (aot/fuse_norm.py: an RMSNorm's mean of squares that
+    # adds the split-K sum of the residual stream it reads, and keeps that sum)
+    keep: Buffer | None = None
+    kept: Expr | None = None
+
+    def index_spaces(self, out_shape):
+        return {"src": tuple(self.src_shape), "kept": tuple(self.src_shape)}
+
+    def shape_problems(self, out_shape):
+        if (self.keep is None) != (self.kept is None):
+            return ["keep and kept go together (a buffer and the value stored in it)"]
+        n = len(self.src_shape)
+        if self.keep is not None and (tuple(self.rdims) != tuple(range(n - len(self.rdims), n))
+                                      or numel(self.keep.shape) != numel(self.src_shape)):
+            return [f"keeps its source in {self.keep.name} ({list(self.keep.shape)}) but "
+                    f"reduces {list(self.rdims)} of {list(self.src_shape)} (the last "
+                    "dimensions, the same elements)"]
+        return []
+
+    def extra_writes(self):
+        return [self.keep] if self.keep is not None else []
 
 
 @dataclass(frozen=True)

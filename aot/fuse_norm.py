@@ -29,8 +29,8 @@ MAX_PARTS = 8   # splits a LayerNorm adds in its source (codegen's split-K takes
 
 
 def fold_into_norms(kernels: list[Kernel]) -> list[Kernel]:
-    """The kernels with each foldable split-K reduction moved into its LayerNorm, as a new list
-    (`kernels` unchanged)."""
+    """The kernels with each foldable split-K reduction moved into the norm that reads it, as a
+    new list (`kernels` unchanged)."""
     kernels = list(kernels)
     j = 0
     while j < len(kernels):
@@ -40,15 +40,31 @@ def fold_into_norms(kernels: list[Kernel]) -> list[Kernel]:
             continue
         i, norm = folded
         kernels = kernels[:i] + kernels[i + 1:j] + [norm] + kernels[j + 1:]
-        # the LayerNorm moved up one place; look at the same position (the next kernel) again
+        # the consumer moved up one place; look at the same position (the next kernel) again
     return kernels
 
 
+def _space(kernel: Kernel):
+    """(shape, extents) of the index space over which a foldable consumer evaluates its source,
+    or None: a LayerNorm, or a reduction of its source's last dimensions (an RMSNorm's mean of
+    squares), that keeps nothing yet."""
+    spec = kernel.spec
+    if isinstance(spec, LayerNorm) and spec.keep is None:
+        return tuple(kernel.out_shape), kernel.ext
+    if isinstance(spec, Reduction) and spec.keep is None:
+        n = len(spec.src_shape)
+        if tuple(spec.rdims) == tuple(range(n - len(spec.rdims), n)):
+            return tuple(spec.src_shape), spec.src_ext
+    return None
+
+
 def _fold(kernels: list[Kernel], j: int) -> tuple[int, Kernel] | None:
-    """(index of the reduction, the LayerNorm that replaces both) or None."""
+    """(index of the split-K reduction, the consumer that replaces both) or None."""
     norm = kernels[j]
-    if not isinstance(norm.spec, LayerNorm) or norm.spec.keep is not None:
+    space = _space(norm)
+    if space is None:
         return None
+    shape, ext = space
     for x in norm.reads():
         if x.kind != "arena" or x.dynamic:
             continue
@@ -57,14 +73,14 @@ def _fold(kernels: list[Kernel], j: int) -> tuple[int, Kernel] | None:
             continue
         red = kernels[i]
         total = _split_sum(red)
-        if total is None or not _may_move(kernels, i, j, red, x, norm):
+        if total is None or not _may_move(kernels, i, j, red, x, norm, shape, ext):
             continue
         value = substitute_acc(red.epilogue, total)
         if any(isinstance(node, Acc) for node in walk(value)):
             continue   # the reduction's value sits under a reindexing: not a pointwise epilogue
         if value.dtype != x.dtype:   # the sum as the reduction stored it (rounded to x's dtype)
             value = Op("cast", [value], x.dtype)
-        value = reshape(value, red.out_shape, norm.out_shape)
+        value = reshape(value, red.out_shape, shape)
         src = substitute(norm.spec.src, x, value)
         later = any(x.index == b.index for k in kernels[j + 1:] for b in k.reads())
         spec = replace(norm.spec, src=src, keep=x if later else None,
@@ -102,17 +118,18 @@ def _split_sum(red: Kernel):
     return total
 
 
-def _may_move(kernels: list[Kernel], i: int, j: int, red: Kernel, x, norm: Kernel) -> bool:
-    """The reduction's work may run at the LayerNorm's place and leave `x` to it."""
-    if not (_static(red.ext) and _static(norm.ext)) and (
-            _squeezed(red.out_shape, red.ext) != _squeezed(norm.out_shape, norm.ext)):
+def _may_move(kernels: list[Kernel], i: int, j: int, red: Kernel, x, norm: Kernel, shape,
+              ext) -> bool:
+    """The reduction's work may run at the consumer's place (`shape`, `ext`: where it evaluates
+    its source) and leave `x` to it."""
+    if not (_static(red.ext) and _static(ext)) and (
+            _squeezed(red.out_shape, red.ext) != _squeezed(shape, ext)):
         return False   # the same rows are valid in both (a leading 1 aside)
-    if numel(red.out_shape) != numel(norm.out_shape) or numel(x.shape) != numel(norm.out_shape):
+    if numel(red.out_shape) != numel(shape) or numel(x.shape) != numel(shape):
         return False
-    spec = norm.spec
-    if not (identity_load(spec.src, norm.out_shape, x) and only_ops_above(spec.src, x)):
+    if not (identity_load(norm.spec.src, shape, x) and only_ops_above(norm.spec.src, x)):
         return False
-    if any(load.buf.index == x.index for e in (spec.weight, spec.bias) if e is not None
+    if any(load.buf.index == x.index for name, e in norm.spec.exprs() if name != "src"
            for load in loads(e)):
         return False
     read = {b.index for b in red.reads()}

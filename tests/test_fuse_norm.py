@@ -201,3 +201,48 @@ def test_off_switch(tmp_path):
     nodes, norms = _graphs(off)
     assert not _folded(nodes[0]) and "reduction" in [f for f, _ in nodes[0]]
     assert fuse_norm.FOLD_SPLIT_K_INTO_NORM   # the default, restored after the variant
+
+
+def test_a_decode_steps_rms_norm_adds_the_split_down_projection(tmp_path):
+    """Llama decode: the down projection split over K (as the default splits K >= 8192; here
+    K 2048) and the residual add are summed by the next RMSNorm's mean of squares, which keeps
+    the residual stream for the next block. Prompt and decode steps bit for bit against the
+    package without the pass and against eager; generate() gives eager's greedy tokens."""
+    from grace.tools.interpret import generate_package
+    from grace.tools.models import CachedLlama
+
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden=2048,
+                        max_seq=16).eval()
+    t = Dim("seq", min=1, max=16)
+    paths = {}
+    for fold in (True, False):
+        variant = "split:codegen.GEMV_SPLIT_MIN_K=2048" + ("" if fold else
+                                                          ",fuse_norm.FOLD_SPLIT_K_INTO_NORM=False")
+        with applied(parse_variant(variant)):
+            paths[fold] = grace_compile(
+                model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                output=tmp_path / f"d{int(fold)}.grace", progress=False, fp32_matmul="ieee",
+                dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}}, buckets={"seq": [1, 16]},
+                sm_count={"sm_90": 2}, generate={"tokens": "idx", "positions": "input_pos"})
+    graphs = {}
+    for fold, path in paths.items():
+        m = read_package(path).manifest
+        decode = next(g for g in m["graphs"] if g["name"] == "seq=1")
+        graphs[fold] = [m["kernels"][n["kernel"]]["family"] for n in decode["nodes"]]
+        assert races.check_races(m) == [] and races.check_pre_wait(read_package(path)) == []
+    # layers 1 and 2 take the down projection of the layer before; the last one's goes into
+    # the final norm: three reduction kernels fewer
+    assert graphs[True].count("reduction") == graphs[False].count("reduction") - 3
+    idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    sessions = {fold: InterpretSession(path) for fold, path in paths.items()}
+    with torch.no_grad():
+        model.reset_cache()
+        for lo, hi in ((0, 6), (6, 7), (7, 8), (8, 9)):
+            ref = model(idx[:, lo:hi], torch.arange(lo, hi)).double().numpy()
+            feed = {"idx": idx[:, lo:hi].numpy(), "input_pos": np.arange(lo, hi)}
+            got = sessions[True].run(feed)["out"]
+            np.testing.assert_array_equal(got, sessions[False].run(feed)["out"])
+            assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5, (lo, hi)
+    prompt = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(3))
+    assert generate_package(paths[True], prompt.numpy(), 6).tolist() == model.greedy(prompt, 6)
