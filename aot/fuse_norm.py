@@ -24,8 +24,15 @@ from .fuse import _joined, substitute
 from .ir import Acc, Kernel, Load, Op, identity_load, loads, numel, only_ops_above, walk
 from .views import reshape
 
+# On the H200 (docs/performance.md, 2026-12-03, sixteenth session): ViT-S fp32 0.439 -> 0.426 ms
+# (125 -> 101 kernels), GPT-2 6L 0.258 -> 0.254 ms (benchmark --variant, one run).
 FOLD_SPLIT_K_INTO_NORM = True
-MAX_PARTS = 8   # splits a LayerNorm adds in its source (codegen's split-K takes 2 to 8)
+# ...also into a reduction of its source's last dimensions (an RMSNorm's mean of squares). Off:
+# in the Llama-1B decode graph the down projection's 4 splits were summed by the one program of
+# the mean (2048 columns) instead of the reduction's 32, and a token took longer with 16 kernels
+# fewer: generate() 0.814 -> 0.836 ms, run() 0.860 -> 0.872 (bench_decode --variant, same run).
+FOLD_INTO_ROW_REDUCTIONS = False
+MAX_PARTS = 8   # splits a norm adds in its source (codegen's split-K takes 2 to 8)
 
 
 def fold_into_norms(kernels: list[Kernel]) -> list[Kernel]:
@@ -46,12 +53,12 @@ def fold_into_norms(kernels: list[Kernel]) -> list[Kernel]:
 
 def _space(kernel: Kernel):
     """(shape, extents) of the index space over which a foldable consumer evaluates its source,
-    or None: a LayerNorm, or a reduction of its source's last dimensions (an RMSNorm's mean of
-    squares), that keeps nothing yet."""
+    or None: a LayerNorm, or (FOLD_INTO_ROW_REDUCTIONS) a reduction of its source's last
+    dimensions (an RMSNorm's mean of squares), that keeps nothing yet."""
     spec = kernel.spec
     if isinstance(spec, LayerNorm) and spec.keep is None:
         return tuple(kernel.out_shape), kernel.ext
-    if isinstance(spec, Reduction) and spec.keep is None:
+    if isinstance(spec, Reduction) and spec.keep is None and FOLD_INTO_ROW_REDUCTIONS:
         n = len(spec.src_shape)
         if tuple(spec.rdims) == tuple(range(n - len(spec.rdims), n)):
             return tuple(spec.src_shape), spec.src_ext

@@ -176,9 +176,7 @@ def test_a_decode_steps_split_gemvs(tmp_path):
     model = CachedLlama(vocab=96, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, hidden=2048,
                         max_seq=16).eval()
     t = Dim("seq", min=1, max=16)
-    # the RMSNorms would take these reductions first (aot/fuse_norm.py, on by default)
-    with applied(parse_variant(f"{ON},codegen.GEMV_SPLIT_MIN_K=2048,"
-                               "fuse_norm.FOLD_SPLIT_K_INTO_NORM=False")):
+    with applied(parse_variant(f"{ON},codegen.GEMV_SPLIT_MIN_K=2048")):
         path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
                              output=tmp_path / "d.grace", progress=False, fp32_matmul="ieee",
                              dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},

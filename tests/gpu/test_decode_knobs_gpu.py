@@ -32,10 +32,11 @@ KNOBS = {
     "gqa": "gqa:lower.SHARE_MIN_READS=0,codegen.ATTN_V_EARLY=False",
     "vearly": "vearly:lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0",
     "pfall": f"pfall:{_OFF},codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
-    # the split down projections sum their own splits (aot/fuse_splitk.py), not the RMSNorm
-    # after them ("split": aot/fuse_norm.py, on by default)
-    "splitk": f"splitk:{_OFF},codegen.GEMV_SPLIT_MIN_K=2048,fuse_splitk.SPLIT_K_IN_KERNEL=True,"
-              "fuse_norm.FOLD_SPLIT_K_INTO_NORM=False",
+    # the split down projections sum their own splits (aot/fuse_splitk.py)
+    "splitk": f"splitk:{_OFF},codegen.GEMV_SPLIT_MIN_K=2048,fuse_splitk.SPLIT_K_IN_KERNEL=True",
+    # the split down projections summed by the RMSNorm's mean after them (aot/fuse_norm.py)
+    "foldmean": f"foldmean:{_OFF},codegen.GEMV_SPLIT_MIN_K=2048,"
+                "fuse_norm.FOLD_INTO_ROW_REDUCTIONS=True",
     "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
 }
 
