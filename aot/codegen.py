@@ -379,17 +379,19 @@ def layer_norm(kernel: Kernel, w: Writer):
     spec = kernel.spec
     keep = spec.keep
 
-    def keep_store(emitter, ctx):
-        if keep is not None:
-            w.emit(f"tl.store({w.ptr(keep)} + rows * {cols} + cols, "
-                   f"{emitter.value(spec.kept, ctx)}.to({TL_TYPE[keep.dtype]}), mask=mask)")
-
-    if cols <= bn:   # one block a row: the source is evaluated once
+    def last_walk():
+        """The walk that leaves `x` (the source) for the output, storing `kept` on the way."""
         _row_loop(w, cols, bn)
         ctx = _row_ctx(w, shape, cols)
         emitter = ExprEmitter(w)
         w.emit(f"x = {emitter.value(spec.src, ctx)}")
-        keep_store(emitter, ctx)
+        if keep is not None:
+            w.emit(f"tl.store({w.ptr(keep)} + rows * {cols} + cols, "
+                   f"{emitter.value(spec.kept, ctx)}.to({TL_TYPE[keep.dtype]}), mask=mask)")
+        return emitter, ctx
+
+    if cols <= bn:   # one block a row: the source is evaluated once
+        emitter, ctx = last_walk()
         w.emit("x = tl.where(mask, x.to(tl.float32), 0.0)")
         w.emit(f"mean = tl.sum(x, axis=1)[:, None] / {cols}")
         w.emit("d = tl.where(mask, x - mean, 0.0)")
@@ -409,11 +411,7 @@ def layer_norm(kernel: Kernel, w: Writer):
         w.emit("sq += tl.sum(d * d, axis=1)[:, None]")
         w.indent -= 1
         w.emit(f"rstd = tl.rsqrt(sq / {cols} + {spec.eps!r})")
-        _row_loop(w, cols, bn)
-        ctx = _row_ctx(w, shape, cols)
-        emitter = ExprEmitter(w)
-        w.emit(f"x = {emitter.value(spec.src, ctx)}")
-        keep_store(emitter, ctx)
+        emitter, ctx = last_walk()
         w.emit("y = (x.to(tl.float32) - mean) * rstd")
     if spec.weight is not None:
         w.emit(f"y = y * {emitter.value(spec.weight, ctx)}.to(tl.float32)")

@@ -30,12 +30,18 @@ def _readers(kernels: list[Kernel]) -> dict[int, list[int]]:
 def substitute(expr, buf, value):
     """`expr` with every load of `buf` (under pointwise ops) replaced by `value`: a new tree,
     `expr` unchanged."""
+    return replace_nodes(expr, lambda node: isinstance(node, Load) and node.buf is buf, value)
+
+
+def replace_nodes(expr, match, value):
+    """`expr` with every node for which `match` holds (under pointwise ops) replaced by `value`:
+    a new tree, `expr` unchanged."""
     memo = {}
 
     def go(node):
         if id(node) in memo:
             return memo[id(node)]
-        if isinstance(node, Load) and node.buf is buf:
+        if match(node):
             out = value
         elif isinstance(node, Op):
             out = Op(node.op, [go(a) for a in node.args], node.dtype, node.param)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .families import LayerNorm, Reduction
-from .fuse import _joined, substitute
+from .fuse import _joined, replace_nodes, substitute
 from .ir import Acc, Kernel, Load, Op, identity_load, loads, numel, only_ops_above, walk
 from .views import reshape
 
@@ -157,19 +157,5 @@ def _static(ext) -> bool:
 
 
 def substitute_acc(expr, value):
-    """`expr` with every `Acc` replaced by `value` (a new tree)."""
-    memo = {}
-
-    def go(node):
-        if id(node) in memo:
-            return memo[id(node)]
-        if isinstance(node, Acc):
-            out = value
-        elif isinstance(node, Op):
-            out = Op(node.op, [go(a) for a in node.args], node.dtype, node.param)
-        else:
-            out = node
-        memo[id(node)] = out
-        return out
-
-    return go(expr)
+    """`expr` with every `Acc` (under pointwise ops) replaced by `value` (a new tree)."""
+    return replace_nodes(expr, lambda node: isinstance(node, Acc), value)

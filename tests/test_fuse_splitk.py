@@ -1,8 +1,9 @@
-"""aot/fuse_splitk.py (off by default: not yet run on a GPU): a split-K matmul sums its own
-splits, the tile's last program applying the epilogue, and the reduction kernel goes. Through
-the CPU reference executor (programs one after another, so the arrival counting is exercised but
-not its memory ordering, which only a GPU can test): values against eager and against the
-package without the pass, the race proof, and the arrival words back at zero after each call."""
+"""aot/fuse_splitk.py (off by default: correct on the H200, and slower): a split-K matmul sums
+its own splits, the tile's last program applying the epilogue, and the reduction kernel goes.
+Through the CPU reference executor (programs one after another, so the arrival counting is
+exercised but not its memory ordering: tests/gpu/test_fuse_splitk_gpu.py): values against eager
+and against the package without the pass, the race proof, and the arrival words back at zero
+after each call."""
 from __future__ import annotations
 
 import numpy as np
