@@ -8,7 +8,9 @@ kernel of its own: it is evaluated inside whichever kernel reads it (prologue fu
 `fuse.py` folds pointwise consumers into the store of the kernel that produced their input
 (epilogue fusion).
 
-Every `Kernel` writes one buffer, its `out`. Most write it whole: their value at every index of
+Every `Kernel` writes one buffer, its `out` (a few specs write more, named by
+`Spec.extra_writes`: a split-K matmul's own partial sums, the sum a LayerNorm keeps for later
+readers; each whole, once). Most write `out` whole: their value at every index of
 their index space, row-major (contiguous), which defines the buffer (an arena buffer is written
 whole once). A family whose registry entry `scatters` (families.Scatter: index_put, scatter,
 index_add, KV-cache updates) writes *part* of a buffer instead, at positions it computes on the

@@ -248,3 +248,19 @@ def test_a_decode_steps_rms_norm_adds_the_split_down_projection(tmp_path):
             assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5, (lo, hi)
     prompt = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(3))
     assert generate_package(paths[True], prompt.numpy(), 6).tolist() == model.greedy(prompt, 6)
+
+
+def test_a_kept_sum_needs_its_value_and_its_size():
+    """The IR verifier's rules for a LayerNorm that keeps a sum (families.LayerNorm)."""
+    from grace.aot.families import LayerNorm
+    from grace.aot.ir import Buffer, Load
+
+    x = Buffer("x", "arena", "float32", (4, 8), 1)
+    keep = Buffer("keep", "arena", "float32", (4, 8), 2)
+    src = Load(x, 0, (8, 1))
+    assert LayerNorm(src=src, eps=1e-5, keep=keep, kept=src).shape_problems((4, 8)) == []
+    assert LayerNorm(src=src, eps=1e-5, keep=keep, kept=src).extra_writes() == [keep]
+    assert "go together" in LayerNorm(src=src, eps=1e-5, keep=keep).shape_problems((4, 8))[0]
+    small = Buffer("small", "arena", "float32", (4, 4), 3)
+    assert "not 32 elements" in LayerNorm(src=src, eps=1e-5, keep=small,
+                                          kept=src).shape_problems((4, 8))[0]
