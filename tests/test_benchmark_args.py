@@ -252,3 +252,43 @@ def test_decode_table_shows_each_timeline_and_a_failed_profile_is_an_error(tmp_p
     assert "timeline split (as built" in table and "  GPU span per call 900.0 us" in table
     with pytest.raises(RuntimeError, match="profile_kernels exited"):
         D._timeline(tmp_path / "missing.grace", 1000, tmp_path, "x")
+
+
+def test_a_dynamic_variant_is_compiled_with_its_constants_and_timed_as_its_own(monkeypatch,
+                                                                               tmp_path):
+    """bench_dynamic's variants (it ignored --variant before): compiled with the constants set
+    (and restored after), recorded with their settings and how many graph nodes they changed,
+    then timed under grace[NAME]."""
+    from grace.aot import fuse_norm
+    from grace.tools.variants import parse_variant
+
+    seen = {}
+
+    def fake_compile(model, cfg, path, precision=None):
+        seen["fold"] = fuse_norm.FOLD_SPLIT_K_INTO_NORM
+        return {"compile_s": 1.0}
+
+    def fake_run(res, path, model, inputs, cfg, key="grace"):
+        seen["key"], seen["path"] = key, path
+
+    class Model:
+        def cpu(self):
+            return self
+
+        def cuda(self):
+            return self
+
+    monkeypatch.setattr(B, "_compile_grace_dyn", fake_compile)
+    monkeypatch.setattr(B, "_run_grace", fake_run)
+    monkeypatch.setattr("grace.formats.read_package",
+                        lambda p: type("P", (), {"manifest": str(p)}))
+    # the manifests stand in as their paths: the variant's differs from grace's package
+    monkeypatch.setattr(B, "nodes_changed", lambda a, b: 0 if a == b else 3)
+    variant = parse_variant("nofold:fuse_norm.FOLD_SPLIT_K_INTO_NORM=False")
+    res = {"model": "bert_base_dyn"}
+    B._run_grace_variant(res, "grace[nofold]", variant, Model(), None, None,
+                                 tmp_path / "v.grace", tmp_path / "g.grace")
+    assert seen == {"fold": False, "key": "grace[nofold]", "path": tmp_path / "v.grace"}
+    assert fuse_norm.FOLD_SPLIT_K_INTO_NORM   # restored
+    assert res["grace[nofold]"]["nodes_changed"] == 3
+    assert "FOLD_SPLIT_K_INTO_NORM=False" in res["grace[nofold]"]["settings"]

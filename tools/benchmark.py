@@ -581,6 +581,24 @@ def _run_grace_at(res, key: str, precision: str, model, inputs: _Inputs, cfg, pa
     _run_grace(res, path, model, inputs, cfg, key)
 
 
+def _run_grace_variant(res, key: str, variant, model, inputs: _Inputs, cfg, path: Path,
+                       default: Path):
+    """Another grace contender: the same dynamic package compiled with a variant's grace.aot
+    constants (tools/variants.py); `default`: grace's own package, to count what changed."""
+    from grace.formats import read_package
+
+    with applied(variant):
+        res.setdefault(key, {}).update(_compile_grace_dyn(model.cpu(), cfg, path))
+    res[key]["settings"] = variant.describe()
+    changed = nodes_changed(read_package(default).manifest, read_package(path).manifest)
+    res[key]["nodes_changed"] = changed
+    if not changed:
+        _log(f"{res['model']}: variant {variant.name} changed no graph node of grace's package "
+             "(its settings do not apply to this model): its figures are grace's again")
+    model.cuda()
+    _run_grace(res, path, model, inputs, cfg, key)
+
+
 def _guarded(res, contender: str, fn, *args) -> None:
     """Run one contender; a failure is recorded under res["errors"] and the benchmark goes on."""
     import torch
@@ -640,6 +658,11 @@ def bench_dynamic(name: str, cfg, workdir: Path, checkpoint=lambda res: None) ->
             key = f"grace[{prec}]"
             extra = workdir / f"{name}-{prec}.grace"
             _guarded(res, key, _run_grace_at, res, key, prec, model, inputs, cfg, extra)
+            checkpoint(res)
+        for variant in getattr(cfg, "variants", ()) if "grace" not in res["errors"] else ():
+            key = f"grace[{variant.name}]"
+            _guarded(res, key, _run_grace_variant, res, key, variant, model, inputs, cfg,
+                     workdir / f"{name}-{variant.name}.grace", path)
             checkpoint(res)
         backend = (BACKEND,) if getattr(cfg, "backend_ab", False) else ()
         for key in ("torch.compile", "reduce-overhead") + backend:
@@ -753,9 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"also time {BACKEND}: torch.compile(model, backend=\"grace\"), grace's "
                          "pipeline behind Dynamo (static and dynamic workloads)")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:module.CONSTANT=VALUE,...",
-                    help="static workloads: also time grace[NAME], the model compiled with these grace.aot "
-                         "constants (tools/variants.py), e.g. attn8:codegen.ATTN_SPLIT_PROGRAMS_PER_SM=8; "
-                         "repeatable")
+                    help="also time grace[NAME], the model compiled with these grace.aot constants "
+                         "(tools/variants.py), e.g. attn8:codegen.ATTN_SPLIT_PROGRAMS_PER_SM=8; static "
+                         "and dynamic workloads; repeatable")
     dyn = ap.add_argument_group("dynamic workload (bert_base_dyn)")
     dyn.add_argument("--buckets", action="append", default=[], metavar="seq=B1,B2,...",
                      help="grace's bucket bounds for the sequence symbol 'seq' (as `grace compile "
