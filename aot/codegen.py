@@ -301,14 +301,20 @@ def reduction(kernel: Kernel, w: Writer):
         w, spec, lambda br, bn: w.emit(f"acc = tl.full([{br}, {bn}], {init}, {tl_acc})"))
     emitter = ExprEmitter(w)
     value = emitter.value(spec.src, ctx)
-    if spec.keep is not None:   # reduced dimensions last: element (row, col) at row * cols + col
-        w.emit(f"tl.store({w.ptr(spec.keep)} + rows * {cols} + cols, "
-               f"{emitter.value(spec.kept, ctx)}.to({TL_TYPE[spec.keep.dtype]}), mask=mask)")
+    _store_kept(w, spec, emitter, ctx, cols)   # reduced dimensions last: (row, col) in order
     w.emit(f"value = tl.where(mask, {value}.to({tl_acc}), {init})")
     w.emit("acc = " + REDUCE_COMBINE[op].format(acc="acc", v="value"))
     w.indent -= 1
     w.emit(f"red = {REDUCE_FN[op]}(acc, axis=1)")
     return _store_rows(w, kernel, rows, br)
+
+
+def _store_kept(w: Writer, spec, emitter: ExprEmitter, ctx: Ctx, cols: int):
+    """A row walk's `kept` value (aot/fuse_norm.py) into `keep`, element (rows, cols) of a
+    [rows, cols] row-major view, inside the walk's mask; nothing when the spec keeps none."""
+    if spec.keep is not None:
+        w.emit(f"tl.store({w.ptr(spec.keep)} + rows * {cols} + cols, "
+               f"{emitter.value(spec.kept, ctx)}.to({TL_TYPE[spec.keep.dtype]}), mask=mask)")
 
 
 # ---- row-wise normalisations (softmax, log-softmax, layer norm) -------------------------------
@@ -377,7 +383,6 @@ def layer_norm(kernel: Kernel, w: Writer):
     shape = kernel.out_shape
     rows, cols, br, bn = _row_setup(kernel, w, shape)
     spec = kernel.spec
-    keep = spec.keep
 
     def last_walk():
         """The walk that leaves `x` (the source) for the output, storing `kept` on the way."""
@@ -385,9 +390,7 @@ def layer_norm(kernel: Kernel, w: Writer):
         ctx = _row_ctx(w, shape, cols)
         emitter = ExprEmitter(w)
         w.emit(f"x = {emitter.value(spec.src, ctx)}")
-        if keep is not None:
-            w.emit(f"tl.store({w.ptr(keep)} + rows * {cols} + cols, "
-                   f"{emitter.value(spec.kept, ctx)}.to({TL_TYPE[keep.dtype]}), mask=mask)")
+        _store_kept(w, spec, emitter, ctx, cols)
         return emitter, ctx
 
     if cols <= bn:   # one block a row: the source is evaluated once

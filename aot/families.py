@@ -85,18 +85,26 @@ class Reduction(SourceSpec):
         return {"src": tuple(self.src_shape), "kept": tuple(self.src_shape)}
 
     def shape_problems(self, out_shape):
-        if (self.keep is None) != (self.kept is None):
-            return ["keep and kept go together (a buffer and the value stored in it)"]
+        problems = _keep_problems(self, self.src_shape)
         n = len(self.src_shape)
-        if self.keep is not None and (tuple(self.rdims) != tuple(range(n - len(self.rdims), n))
-                                      or numel(self.keep.shape) != numel(self.src_shape)):
-            return [f"keeps its source in {self.keep.name} ({list(self.keep.shape)}) but "
-                    f"reduces {list(self.rdims)} of {list(self.src_shape)} (the last "
-                    "dimensions, the same elements)"]
-        return []
+        if self.keep is not None and tuple(self.rdims) != tuple(range(n - len(self.rdims), n)):
+            problems.append(f"keeps its source but reduces {list(self.rdims)} of "
+                            f"{list(self.src_shape)}, not its last dimensions")
+        return problems
 
     def extra_writes(self):
         return [self.keep] if self.keep is not None else []
+
+
+def _keep_problems(spec, shape) -> list[str]:
+    """A spec that keeps a value (Reduction, LayerNorm: aot/fuse_norm.py) has both halves, and
+    its buffer holds the elements of `shape` (where `kept` is evaluated)."""
+    if (spec.keep is None) != (spec.kept is None):
+        return ["keep and kept go together (a buffer and the value stored in it)"]
+    if spec.keep is not None and numel(spec.keep.shape) != numel(shape):
+        return [f"keeps its source in {spec.keep.name} ({list(spec.keep.shape)}), not "
+                f"{numel(shape)} elements"]
+    return []
 
 
 @dataclass(frozen=True)
@@ -179,12 +187,7 @@ class LayerNorm(Spec):
 
     def shape_problems(self, out_shape):
         problems = [] if len(out_shape) == 2 else [f"out_shape {list(out_shape)} is not [rows, n]"]
-        if (self.keep is None) != (self.kept is None):
-            problems.append("keep and kept go together (a buffer and the value stored in it)")
-        if self.keep is not None and numel(self.keep.shape) != numel(out_shape):
-            problems.append(f"keeps its source in {self.keep.name} ({list(self.keep.shape)}), "
-                            f"not {numel(out_shape)} elements")
-        return problems
+        return problems + _keep_problems(self, out_shape)
 
     def extra_writes(self):
         return [self.keep] if self.keep is not None else []

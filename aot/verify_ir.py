@@ -400,7 +400,8 @@ def check_kernels(kernels: list[Kernel], program=None, stage: str = "", bucket: 
             elif k.out.kind == "arena" and k.out.index not in written:
                 checker.say(f"scatters into {k.out.name}, which no earlier kernel wrote (the "
                             "elements it skips would be garbage)")
-        whole = [b for b in k.writes()[1:] if b.kind == "arena"]   # a kept source (fuse_norm)
+        # Spec.extra_writes: a kept sum (fuse_norm), a split-K matmul's own partial sums
+        whole = [b for b in k.writes()[1:] if b.kind == "arena"]
         if not _scatters(k) and k.out.kind != "extents":
             whole.insert(0, k.out)
         for b in whole:

@@ -153,21 +153,51 @@ def test_post_norm_bert_with_dynamic_rows(tmp_path):
     assert _folded(small_on) and not any(_keeps(src) for _, src in norms)   # post-norm
 
 
+class _Block(torch.nn.Module):
+    """A residual branch and its norm; the sum is an output's source too (so it is kept)."""
+
+    def __init__(self, k=1536):
+        super().__init__()
+        self.proj = torch.nn.Linear(k, 384)
+        self.norm = torch.nn.LayerNorm(384)
+
+    def forward(self, h, r):
+        x = r + self.proj(h)
+        return self.norm(x), x * 2
+
+
+def test_one_row_split_gemv_into_its_norm(tmp_path):
+    """A single row: the projection is a GEMV split over K (as the default splits K >= 8192;
+    here K 2048, two chunks of the GEMV's 1024-column step), and its split sums go into the
+    LayerNorm of that one row."""
+    torch.manual_seed(0)
+    model = _Block(k=2048).eval()
+    h, r = torch.randn(1, 2048), torch.randn(1, 384)
+    paths = {}
+    for fold in (True, False):
+        variant = "split:codegen.GEMV_SPLIT_MIN_K=2048" + (
+            "" if fold else ",fuse_norm.FOLD_SPLIT_K_INTO_NORM=False")
+        with applied(parse_variant(variant)):
+            paths[fold] = grace_compile(model, (h, r), output=tmp_path / f"{int(fold)}.grace",
+                                        progress=False, fp32_matmul="ieee", archs=("sm_90",))
+    (on, norms), (off, _) = _graphs(paths[True]), _graphs(paths[False])
+    assert _folded(on[0]) and "reduction" in [f for f, _ in off[0]]
+    assert "reduction" not in [f for f, _ in on[0]] and any(_keeps(src) for _, src in norms)
+    feed = {"h": h.numpy(), "r": r.numpy()}
+    a, b = InterpretSession(paths[True]).run(feed), InterpretSession(paths[False]).run(feed)
+    with torch.no_grad():
+        want = model.double()(h.double(), r.double())
+    for name, ref in zip(a, want):
+        np.testing.assert_array_equal(np.asarray(a[name]), np.asarray(b[name]))
+        np.testing.assert_allclose(np.asarray(a[name], np.float64), ref.numpy(), rtol=1e-5,
+                                   atol=1e-5)
+
+
 def test_edge_values_through_a_folded_norm(tmp_path):
     """±0.5, huge and tiny rows (a variance far under eps), and rows of one repeated value
     (variance 0, where the output is the LayerNorm's bias)."""
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = torch.nn.Linear(1536, 384)
-            self.norm = torch.nn.LayerNorm(384)
-
-        def forward(self, h, r):
-            x = r + self.proj(h)
-            return self.norm(x), x * 2
-
     torch.manual_seed(0)
-    model = Block().eval()
+    model = _Block().eval()
     h = torch.randn(65, 1536)   # 65 rows: the GEMM splits K
     cases = [(h, torch.randn(65, 384)),
              (torch.full((65, 1536), 0.5), torch.full((65, 384), -0.5)),

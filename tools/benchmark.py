@@ -246,13 +246,9 @@ def bench_model(name, make, iters, repeats, warmup, workdir: Path, precisions=("
                          workdir / f"{name}-{variant.name}.grace", precisions[0], iters, repeats,
                          warmup)
         result["notes"][f"grace[{variant.name}]_settings"] = variant.describe()
-        from grace.formats import read_package
-        changed = nodes_changed(read_package(workdir / f"{name}-{precisions[0]}.grace").manifest,
-                                read_package(workdir / f"{name}-{variant.name}.grace").manifest)
-        result["notes"][f"grace[{variant.name}]_nodes_changed"] = changed
-        if not changed:
-            _log(f"{name}: variant {variant.name} changed no graph node of grace's package (its "
-                 "settings do not apply to this model): its figure is grace's again")
+        result["notes"][f"grace[{variant.name}]_nodes_changed"] = _variant_changes(
+            name, variant, workdir / f"{name}-{precisions[0]}.grace",
+            workdir / f"{name}-{variant.name}.grace")
     if backend_ab:   # the same pipeline behind torch.compile (aot/backend.py)
         _bench_backend(result, model, x, precisions[0], iters, repeats, warmup)
     result["ratio_grace_over_reduce_overhead"] = result["ms"]["grace"] / result["ms"]["reduce-overhead"]
@@ -581,20 +577,26 @@ def _run_grace_at(res, key: str, precision: str, model, inputs: _Inputs, cfg, pa
     _run_grace(res, path, model, inputs, cfg, key)
 
 
+def _variant_changes(name: str, variant, default: Path, path: Path) -> int:
+    """Graph nodes of the variant's package (`path`) unlike grace's (`default`); logs a variant
+    that changed none (its settings do not apply to this model)."""
+    from grace.formats import read_package
+
+    changed = nodes_changed(read_package(default).manifest, read_package(path).manifest)
+    if not changed:
+        _log(f"{name}: variant {variant.name} changed no graph node of grace's package (its "
+             "settings do not apply to this model): its figures are grace's again")
+    return changed
+
+
 def _run_grace_variant(res, key: str, variant, model, inputs: _Inputs, cfg, path: Path,
                        default: Path):
     """Another grace contender: the same dynamic package compiled with a variant's grace.aot
     constants (tools/variants.py); `default`: grace's own package, to count what changed."""
-    from grace.formats import read_package
-
     with applied(variant):
         res.setdefault(key, {}).update(_compile_grace_dyn(model.cpu(), cfg, path))
     res[key]["settings"] = variant.describe()
-    changed = nodes_changed(read_package(default).manifest, read_package(path).manifest)
-    res[key]["nodes_changed"] = changed
-    if not changed:
-        _log(f"{res['model']}: variant {variant.name} changed no graph node of grace's package "
-             "(its settings do not apply to this model): its figures are grace's again")
+    res[key]["nodes_changed"] = _variant_changes(res["model"], variant, default, path)
     model.cuda()
     _run_grace(res, path, model, inputs, cfg, key)
 
