@@ -51,7 +51,9 @@ def _decode_graph(path):
     return pkg, g, [m["kernels"][n["kernel"]] for n in g["nodes"]]
 
 
-def _check_against_eager(model, path):
+def _check_against_eager(model, path, after_step=lambda sess: None):
+    """A prompt of 6 tokens, then 3 decode steps, each against eager; `after_step(session)`
+    checks more after each call (tests/test_fuse_splitk.py: the arrival words)."""
     idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
     sess = InterpretSession(path)
     with torch.no_grad():
@@ -61,6 +63,7 @@ def _check_against_eager(model, path):
             got = sess.run({"idx": idx[:, lo:hi].numpy(), "input_pos": np.arange(lo, hi)})["out"]
             err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
             assert err < 1e-5, (lo, hi, err)
+            after_step(sess)
 
 
 def test_split_down_projection_in_a_decode_step(tmp_path):

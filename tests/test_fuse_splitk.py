@@ -19,6 +19,7 @@ from grace.formats import races, read_package  # noqa: E402
 from grace.tools.interpret import InterpretSession  # noqa: E402
 from grace.tools.models import CachedLlama  # noqa: E402
 from grace.tools.variants import applied, parse_variant  # noqa: E402
+from test_decode_knobs import _check_against_eager  # noqa: E402
 
 ON = "sk:fuse_splitk.SPLIT_K_IN_KERNEL=True"
 
@@ -189,15 +190,7 @@ def test_a_decode_steps_split_gemvs(tmp_path):
     fused = [n for n in decode["nodes"] if m["kernels"][n["kernel"]]["name"] in names]
     assert len(fused) == 3   # one down projection per layer
     _check_package(path)
-    idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
-    sess = InterpretSession(path)
-    with torch.no_grad():
-        model.reset_cache()
-        for lo, hi in ((0, 6), (6, 7), (7, 8), (8, 9)):
-            ref = model(idx[:, lo:hi], torch.arange(lo, hi)).double().numpy()
-            got = sess.run({"idx": idx[:, lo:hi].numpy(), "input_pos": np.arange(lo, hi)})["out"]
-            assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5, (lo, hi)
-            _arrivals_zero(sess)
+    _check_against_eager(model, path, after_step=_arrivals_zero)
     prompt = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(3))
     assert generate_package(path, prompt.numpy(), 6).tolist() == model.greedy(prompt, 6)
 
