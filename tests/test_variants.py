@@ -113,6 +113,11 @@ def test_a_variant_that_changes_nothing_is_told_apart(tmp_path):
     gemvs = sum(wide["kernels"][n["kernel"]]["family"] == "matmul"
                 for g in wide["graphs"] for n in g["nodes"])
     assert gemvs and nodes_changed(base, wide) >= gemvs
+    # the same sources launched with other warps count too (this session's ATTN_WARPS runs were
+    # once reported as no-ops: the kernel names, hashes of the source, had not changed)
+    warps = manifest("warps", "warps:codegen.GEMV_WARPS=8")
+    assert ({k["name"] for k in warps["kernels"]} == {k["name"] for k in base["kernels"]})
+    assert nodes_changed(base, warps) >= gemvs
 
 
 def test_a_variant_of_the_generation_step_alone_counts(tmp_path):

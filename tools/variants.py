@@ -91,15 +91,16 @@ def applied(variant: Variant | None):
 
 def nodes_changed(base: dict, manifest: dict) -> int:
     """How many graph nodes of `manifest` (and generate()'s step) differ from the same node of
-    `base` (both package manifests of one model): in kernel (by name, a hash of its source),
-    grid, arguments or edges, counting the nodes only one of them has. 0 means the variant's
+    `base` (both package manifests of one model): in kernel (by name, a hash of its source, and
+    its launch: warps, pipeline stages), grid, arguments or edges, counting the nodes only one of
+    them has. 0 means the variant's
     settings changed nothing this model compiles to (a pass whose conditions the model does not
     meet, a tile no kernel uses), so timing it would only measure noise."""
     def node(names, n):
         return (names[n["kernel"]], n["grid"], n["args"], n["deps"], n.get("programmatic", []))
 
     def nodes(m):
-        names = [k["name"] for k in m["kernels"]]
+        names = [(k["name"], k["num_warps"], k["num_stages"]) for k in m["kernels"]]
         found = {g["name"]: [node(names, n) for n in g["nodes"]] for g in m["graphs"]}
         step = (m.get("generate") or {}).get("step")
         if step:   # generate()'s step node: a variant may change only it (its warps, programs)
