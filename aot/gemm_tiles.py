@@ -17,8 +17,10 @@ session): a tile measured on one shape and operand path does not carry to a far 
 On by default (`gemm_tiles=False`, `grace compile --no-gemm-tiles` turn it off). The sm_90 table
 is ViT-S's, measured on the H200: with it ViT-S ran 0.437 ms against 0.550 with the heuristic,
 in one benchmark run (docs/performance.md, ninth session); split-K by 4 won on four of its five
-GEMM shapes. Shapes far from it (ResNet-50's, MobileBERT's, a decoder's) keep the heuristic and
-compile to the same kernels as without a table. To extend it, sweep another model on that GPU:
+GEMM shapes. A second sweep (seventeenth session) added split-K by 8 and 32 x 32 tiles: split 8
+won the three N = 384 shapes (fc2: 127 -> 75 us of kernels a call), and ViT-S ran 0.397 -> 0.385
+ms (0.429 -> 0.415 with the attention of before). Shapes far from it (ResNet-50's, MobileBERT's,
+a decoder's) keep the heuristic and compile to the same kernels as without a table. To extend it, sweep another model on that GPU:
 `python -m grace.tools.tile_sweep --model M --table aot/gemm_tiles/sm_90.json` merges its winners
 into the table (each entry names the model it was measured on; `sweeps` lists the commands).
 """
@@ -34,6 +36,9 @@ from pathlib import Path
 TABLE_DIR = Path(__file__).with_name("gemm_tiles")
 MIN_ROWS = 128   # below this the heuristic (GEMV, split-K, 16-row tiles) decides
 NEAR = 0.5       # an entry applies within this distance in log2 of each of M, N, K (x sqrt 2)
+# The table file in TABLE_DIR; "" is `<arch>.json`. Another name A/Bs a new sweep's table against
+# the shipped one in one benchmark run: `--variant old:gemm_tiles.TABLE_NAME='sm_90.before.json'`.
+TABLE_NAME = ""
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,15 @@ def operand_kind(dot_dtype: str, fp32_precision: str) -> str | None:
     return fp32_precision if fp32_precision in ("tf32", "tf32x3") else None
 
 
-@functools.lru_cache(maxsize=None)
 def _table(arch: str) -> dict:
     """{kind: [(log2 M, log2 N, log2 K, Tile)]} of the arch's table; {} when there is none."""
-    path = TABLE_DIR / f"{arch}.json"
+    if TABLE_NAME and not (TABLE_DIR / TABLE_NAME).is_file():
+        raise FileNotFoundError(f"gemm_tiles.TABLE_NAME: no table {TABLE_DIR / TABLE_NAME}")
+    return _read_table(TABLE_DIR / (TABLE_NAME or f"{arch}.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def _read_table(path: Path) -> dict:
     if not path.is_file():
         return {}
     out: dict = {}

@@ -151,11 +151,11 @@ def test_table_entries_with_split_are_read(tmp_path, monkeypatch):
         {"kind": "tf32", "M": 197, "N": 384, "K": 1536, "bm": 64, "bn": 64, "bk": 32, "warps": 4,
          "stages": 3, "split": 2}]}))
     monkeypatch.setattr(gemm_tiles, "TABLE_DIR", tmp_path)
-    gemm_tiles._table.cache_clear()
+    gemm_tiles._read_table.cache_clear()
     try:
         assert gemm_tiles.measured_tile("sm_90", "tf32", 256, 384, 1536).split == 2
     finally:
-        gemm_tiles._table.cache_clear()
+        gemm_tiles._read_table.cache_clear()
 
 
 def test_help_runs(capsys):
