@@ -163,3 +163,20 @@ def test_help_runs(capsys):
         tile_sweep.main(["--help"])
     assert e.value.code == 0
     assert "gemm_tiles.forced" in capsys.readouterr().out
+
+
+def test_table_name_picks_another_table_and_refuses_a_missing_one(tmp_path, monkeypatch):
+    """gemm_tiles.TABLE_NAME (a `--variant` A/B of a new sweep against the shipped table): the
+    named file answers instead of <arch>.json; a name with no file is an error, never a silent
+    fall back to the heuristic."""
+    entry = {"kind": "tf32", "M": 197, "N": 384, "K": 1536, "bm": 64, "bn": 64, "bk": 32,
+             "warps": 4, "stages": 3}
+    (tmp_path / "sm_90.json").write_text(json.dumps({"entries": [{**entry, "split": 4}]}))
+    (tmp_path / "before.json").write_text(json.dumps({"entries": [{**entry, "split": 2}]}))
+    monkeypatch.setattr(gemm_tiles, "TABLE_DIR", tmp_path)
+    assert gemm_tiles.measured_tile("sm_90", "tf32", 197, 384, 1536).split == 4
+    monkeypatch.setattr(gemm_tiles, "TABLE_NAME", "before.json")
+    assert gemm_tiles.measured_tile("sm_90", "tf32", 197, 384, 1536).split == 2
+    monkeypatch.setattr(gemm_tiles, "TABLE_NAME", "missing.json")
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        gemm_tiles.measured_tile("sm_90", "tf32", 197, 384, 1536)
