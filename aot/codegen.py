@@ -803,6 +803,15 @@ ATTN_MAX_BLOCK_N = 128  # keys per attention step: fewer, larger steps shorten t
 # a token, generate() 0.834 -> 0.820 ms (docs/performance.md, fourteenth session). Unsplit
 # attention keeps its order: its loop is software-pipelined.
 ATTN_V_EARLY = True
+# Unsplit attention (an encoder's, a prefill's): its warps, pipeline stages and query-row tile
+# (ATTN_BM = 0: attention_plan's rule, 16 or 32 rows to fill the chip), and whether it loads a key
+# block's values with its keys. Knobs for A/B runs (`--variant`). On ViT-S (H200, seventeenth
+# session, one run, ms a call against 0.415): 8 warps 0.412, 1 stage 0.411, 3 stages 0.427, values
+# early 0.412 (ties); 32-row tiles 0.437, 64-row 0.469 (fewer programs: slower).
+ATTN_WARPS = 4
+ATTN_STAGES = 2
+ATTN_BM = 0
+ATTN_V_EARLY_UNSPLIT = False
 GEMM_MIN_BM = 16  # smallest row tile (64 measured no faster once masks were fixed, and split more)
 
 
@@ -1097,7 +1106,7 @@ def attention(kernel: Kernel, w: Writer):
     def load_v():
         load_tile("v", p.v, dv, ["rn[:, None]", "rdv[None, :]"], mask_v, "v_new[None, :]",
                   "rn[:, None]")
-    v_early = ATTN_V_EARLY and split > 1
+    v_early = ATTN_V_EARLY if split > 1 else ATTN_V_EARLY_UNSPLIT
     if v_early:
         load_v()
     w.emit(f"s = tl.dot(q, kt{prec}) * {p.scale!r}")
@@ -1134,7 +1143,7 @@ def attention(kernel: Kernel, w: Writer):
               zero="zero")
     value = ExprEmitter(w, acc="o").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bm}, {bdv}]")
-    return (cdiv(lq, bm), b * h, 1), 4, 2
+    return (cdiv(lq, bm), b * h, 1), ATTN_WARPS, ATTN_STAGES
 
 
 def _appended_key_value(w: Writer, p, bd: int, bdv: int, tl_dot: str):
@@ -1167,6 +1176,12 @@ class AttentionPlan:
     pack: int = 1
 
 
+# An unsplit attention whose whole key axis fits one block of at most this many key elements
+# (keys x head dimension) takes it in one step: no serial loop, every key and value load issued
+# at once. ViT-S (197 keys of 64) on the H200: its 12 attentions 7.1 -> 5.0 us each in the
+# graph, 0.413 -> 0.385 ms a call (docs/performance.md, seventeenth session). 16384: 256 keys of
+# 64, 64 KiB of fp32 keys in 4 warps' registers. 0: off (ATTN_MAX_BLOCK_N keys a step).
+ATTN_ONE_BLOCK_ELEMS = 16384
 ATTN_SPLIT_PROGRAMS_PER_SM = 4   # split keys while the programs stay within this many per SM
 # Pack a decode step's grouped-query heads into one program (AttentionPlan.pack) when the
 # query heads per key/value head times the query rows fit one 16-row tile; 0: off. In the Llama-1B
@@ -1178,13 +1193,16 @@ ATTN_PACK_GQA = 1
 
 
 def attention_plan(b: int, h: int, lq: int, lk: int, sm_count: int, rep: int = 1,
-                   packable: bool = False) -> AttentionPlan:
+                   packable: bool = False, d: int = 64) -> AttentionPlan:
     """The tiles of an attention on a part with `sm_count` multiprocessors. Few query rows and a
     long key axis (a decode step over a static cache: one program per head would walk 2048 keys
     serially) split the keys over more programs, each leaving its normalised partial output and
     log-sum-exp for a combining kernel (flash-decoding). `rep`: query heads per key/value head
-    (grouped-query attention); `packable`: lowering allows them packed (ATTN_PACK_GQA)."""
+    (grouped-query attention); `packable`: lowering allows them packed (ATTN_PACK_GQA); `d`: the
+    head dimension (the keys' or the values', the larger), which bounds a one-step key block."""
     bm = 16 if lq <= 16 or b * h * cdiv(lq, 32) < sm_count // 2 else 32  # fill the chip
+    if ATTN_BM and lq > 16:
+        bm = ATTN_BM
     bn = 16 if lk <= 16 else 32 if lk <= 32 else 64 if lk <= 64 else ATTN_MAX_BLOCK_N
     pack = rep if ATTN_PACK_GQA and packable and rep > 1 and rep * lq <= 16 else 1
     programs = cdiv(lq * pack, bm) * b * (h // pack)
@@ -1193,7 +1211,9 @@ def attention_plan(b: int, h: int, lq: int, lk: int, sm_count: int, rep: int = 1
            and lk % (split * 2 * bn) == 0 and lk // (split * 2) >= bn):
         split *= 2
     if pack > 1 and split == 1:   # packing is for split-KV decode steps only
-        return attention_plan(b, h, lq, lk, sm_count)
+        return attention_plan(b, h, lq, lk, sm_count, d=d)
+    if split == 1 and lk > bn and next_pow2(lk) * max(16, next_pow2(d)) <= ATTN_ONE_BLOCK_ELEMS:
+        bn = next_pow2(lk)
     return AttentionPlan(bm, bn, split, pack)
 
 

@@ -786,7 +786,8 @@ def _sdpa(L, node, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     # rule ties a row's position to its tile (codegen.ATTN_PACK_GQA)
     packable = (rep > 1 and not is_causal
                 and all(q4.dim_ext(i) is None for i in range(3)))
-    plan = attention_plan(b, h, lq, lk, L.options["sm_count"], rep=rep, packable=packable)
+    plan = attention_plan(b, h, lq, lk, L.options["sm_count"], rep=rep, packable=packable,
+                          d=max(d, dv))
     spec = Attention(q=q4.expr, k=k4.expr, v=v4.expr, b=b, h=h, lq=lq, lk=lk, d=d, dv=dv,
                      causal=bool(is_causal),
                      scale=float(scale) if scale is not None else 1.0 / math.sqrt(d),
