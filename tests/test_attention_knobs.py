@@ -74,3 +74,33 @@ def test_one_block_only_where_it_fits():
     assert attention_plan(1, 4, 100, 100, 132).bn == ATTN_MAX_BLOCK_N   # 100 keys: one step anyway
     decode = attention_plan(1, 32, 1, 2048, 132, rep=4, packable=True)
     assert decode.split > 1 and decode.bn == ATTN_MAX_BLOCK_N
+
+
+class Causal(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_one_block_causal_and_dynamic_lengths(tmp_path):
+    """The one-step block with the rules that skipped whole key blocks before: causal rows (a
+    query row sees only the keys up to it, inside the one block) and a dynamic sequence whose
+    keys past the call's length are padding (a bucket of 200: one block of 256, lengths 1, 77
+    and 200)."""
+    from torch.export import Dim
+    torch.manual_seed(0)
+    s = Dim("s", min=1, max=200)
+    q, k, v = (torch.randn(1, 2, 150, 64) for _ in range(3))
+    path = grace_compile(Causal().eval(), (q, k, v), output=tmp_path / "c.grace", progress=False,
+                         fp32_matmul="ieee", dynamic_shapes={n: {2: s} for n in "qkv"},
+                         buckets={"s": [200]})
+    m = read_package(path).manifest
+    [att] = [kern for kern in m["kernels"] if kern["family"] == "attention"]
+    assert "tl.arange(0, 256)" in kernel_source(read_package(path), att["name"])
+    runs = {f"L{n}": [torch.randn(1, 2, n, 64) for _ in range(3)] for n in (1, 77, 200)}
+    got = run_cases(path, {c: dict(zip("qkv", (a.numpy() for a in r))) for c, r in runs.items()},
+                    tmp_path)
+    for case, r in runs.items():
+        assert "error" not in got[case], got[case].get("error")
+        ref = Causal()(*(a.double() for a in r)).numpy()
+        assert got[case]["out"].shape == ref.shape
+        assert rel_err(got[case]["out"], ref) < 1e-6, case
