@@ -20,9 +20,10 @@ in one benchmark run (docs/performance.md, ninth session); split-K by 4 won on f
 GEMM shapes. A second sweep (seventeenth session) added split-K by 8 and 32 x 32 tiles: split 8
 won the three N = 384 shapes (fc2: 127 -> 75 us of kernels a call), and ViT-S ran 0.397 -> 0.385
 ms (0.429 -> 0.415 with the attention of before). Shapes far from it (ResNet-50's, MobileBERT's,
-a decoder's) keep the heuristic and compile to the same kernels as without a table. To extend it, sweep another model on that GPU:
-`python -m grace.tools.tile_sweep --model M --table aot/gemm_tiles/sm_90.json` merges its winners
-into the table (each entry names the model it was measured on; `sweeps` lists the commands).
+a decoder's) keep the heuristic and compile to the same kernels as without a table. To extend it,
+sweep another model on that GPU: `python -m grace.tools.tile_sweep --model M --table
+aot/gemm_tiles/sm_90.json` merges its winners into the table (each entry names the model it was
+measured on; `sweeps` lists the commands).
 """
 from __future__ import annotations
 

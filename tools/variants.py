@@ -93,9 +93,9 @@ def nodes_changed(base: dict, manifest: dict) -> int:
     """How many graph nodes of `manifest` (and generate()'s step) differ from the same node of
     `base` (both package manifests of one model): in kernel (by name, a hash of its source, and
     its launch: warps, pipeline stages), grid, arguments or edges, counting the nodes only one of
-    them has. 0 means the variant's
-    settings changed nothing this model compiles to (a pass whose conditions the model does not
-    meet, a tile no kernel uses), so timing it would only measure noise."""
+    them has. 0 means the variant's settings changed nothing this model compiles to (a pass whose
+    conditions the model does not meet, a tile no kernel uses), so timing it would only measure
+    noise."""
     def node(names, n):
         return (names[n["kernel"]], n["grid"], n["args"], n["deps"], n.get("programmatic", []))
 
