@@ -60,6 +60,7 @@ from grace.tools.variants import applied, nodes_changed, parse_variant
 # the dynamic workload: HF BERT-base, batch 1, sequence length 1..MAX_SEQ
 BERT_BASE = dict(layers=12, hidden=768, heads=12, vocab=30522, max_pos=512)
 MIN_SEQ, MAX_SEQ = 1, 512
+BERT_STATIC_SEQ = 256   # the static bert_base workload's length
 EXPORT_SEQ = 129        # example length for torch.export (any length in range but 0/1 works)
 HOST_SEQ = 129          # length at which grace's run() host time is measured
 HOST_BURST = 20         # run() calls per host-time burst: few enough for the GPU queue to absorb
@@ -106,6 +107,15 @@ def _models():
             return model, lambda: torch.randint(0, cfg.vocab_size, (1, 128), device="cuda")
         return make
 
+    def bert_base(dtype):
+        def make():   # bert_base_dyn's model at one length: its seq=256 bucket's shapes (a sweep)
+            from grace.tools import models
+            torch.manual_seed(0)
+            model = models.hf_bert(**BERT_BASE).eval().to(dtype)
+            return model, lambda: torch.randint(0, BERT_BASE["vocab"], (1, BERT_STATIC_SEQ),
+                                                device="cuda")
+        return make
+
     def cnn(name, dtype):
         def make():
             import timm
@@ -115,7 +125,8 @@ def _models():
         return make
 
     found = {}
-    for name, make in (("vit_s", vit_s), ("gpt2_6l", gpt2_6l), ("mobilebert", mobilebert)):
+    for name, make in (("vit_s", vit_s), ("gpt2_6l", gpt2_6l), ("mobilebert", mobilebert),
+                       ("bert_base", bert_base)):
         found[name] = make(torch.float32)
         found[f"{name}_bf16"] = make(torch.bfloat16)
     for name in CNNS:
@@ -125,8 +136,9 @@ def _models():
 
 
 # static transformers: timm ViT-S/16 (224x224), HF GPT-2 with 6 layers (32 tokens), HF MobileBERT
-# (128 tokens); random weights, batch 1; `<name>_bf16` runs the same model in bf16
-TRANSFORMERS = ("vit_s", "gpt2_6l", "mobilebert")
+# (128 tokens), HF BERT-base (256 tokens: the shapes of bert_base_dyn's seq=256 bucket, for
+# tile_sweep); random weights, batch 1; `<name>_bf16` runs the same model in bf16
+TRANSFORMERS = ("vit_s", "gpt2_6l", "mobilebert", "bert_base")
 # timm CNNs (random weights, batch 1, 224x224); `<name>_bf16` runs the same model in bf16
 CNNS = ("resnet50", "mobilenetv3_small_100", "efficientnet_b0", "convnext_tiny", "regnety_002")
 
