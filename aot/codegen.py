@@ -997,6 +997,11 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
 
 
 # ---- attention --------------------------------------------------------------------------------
+def head_block(d: int) -> int:
+    """The columns an attention tile gives a head dimension of `d` (a dot needs at least 16)."""
+    return max(16, next_pow2(d))
+
+
 def attention(kernel: Kernel, w: Writer):
     p = kernel.spec
     b, h, lq, lk, d, dv = p.b, p.h, p.lq, p.lk, p.d, p.dv
@@ -1004,7 +1009,7 @@ def attention(kernel: Kernel, w: Writer):
     tl_dot = TL_TYPE[dot_t]
     bm, bn, split, pack = p.plan.bm, p.plan.bn, p.plan.split, p.plan.pack
     chunk = lk // split
-    bd, bdv = max(16, next_pow2(d)), max(16, next_pow2(dv))
+    bd, bdv = head_block(d), head_block(dv)
     prec = f", input_precision=\"{p.fp32_precision}\"" if dot_t == "float32" else ""
     # the query rows' head and row: one head per program, or (pack > 1) a key/value head's query
     # heads packed as rows (head ig * pack + rm // lq, row rm % lq); `ih` is where keys and values
@@ -1212,7 +1217,7 @@ def attention_plan(b: int, h: int, lq: int, lk: int, sm_count: int, rep: int = 1
         split *= 2
     if pack > 1 and split == 1:   # packing is for split-KV decode steps only
         return attention_plan(b, h, lq, lk, sm_count, d=d)
-    if split == 1 and lk > bn and next_pow2(lk) * max(16, next_pow2(d)) <= ATTN_ONE_BLOCK_ELEMS:
+    if split == 1 and lk > bn and next_pow2(lk) * head_block(d) <= ATTN_ONE_BLOCK_ELEMS:
         bn = next_pow2(lk)
     return AttentionPlan(bm, bn, split, pack)
 
@@ -1246,7 +1251,7 @@ def attn_combine(kernel: Kernel, w: Writer):
     b, h, lq, dv, split = p.b, p.h, p.lq, p.dv, p.parts
     bh = b * h
     bm = min(16, max(2, next_pow2(lq)))
-    bdv = max(16, next_pow2(dv))
+    bdv = head_block(dv)
     src = w.ptr(p.partial.buf)
     w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
     w.emit("bh = tl.program_id(1)")
