@@ -190,6 +190,86 @@ def run_rows(shapes, out=None) -> dict:
     return results
 
 
+MMA_TILES = [(bn, bk, stages) for bn in (64, 128) for bk in (128, 256) for stages in (3, 4, 6)]
+MMA_FORMS = ("x16", "swap")
+
+
+def _splits(n, k, bn, bk, sms):
+    """Split-K factors worth timing: at least two K steps a program, at most 8 programs per SM."""
+    return [s for s in (1, 2, 4, 8)
+            if k % (s * bk) == 0 and k // s >= 2 * bk and 16 <= (n // bn) * s <= 8 * sms]
+
+
+def run_mma(shapes, out=None) -> dict:
+    """Codegen's GEMV template (FMA, no MMA, with its split-K) against two MMA forms, each with
+    the decode graph's row (ROW_KIND), weight tiles pipelined by num_stages through shared
+    memory: `x16` (the row as row 0 of a 16-row A tile: codegen's matmul template at M = 1) and
+    `swap` (the weight tile as A, the row as column 0 of B). A split form's figure includes the
+    reduction kernel that sums its partial rows."""
+    import torch
+    from grace.tools.gemv_row_kernels import (gemv_mma_swap, gemv_mma_x16, gemv_split,
+                                              sum_splits)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kinds = {"plain": 0, "rms": 1, "swiglu": 2}
+    forms = {"x16": gemv_mma_x16, "swap": gemv_mma_swap}
+    results = {"mma": {}, "check": {}, "errors": {}}
+    for name, (n, k) in shapes.items():
+        kind = kinds[ROW_KIND[name]]
+        nbytes = n * k * 2
+        copies = max(2, min(64, -(-ROTATE_BYTES // nbytes)))
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        x = torch.randn(2 * k, device="cuda", dtype=torch.bfloat16)
+        g = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+        s = (x[:k].float() ** 2).sum().view(1)
+        p = torch.empty(8 * n, device="cuda", dtype=torch.float32)
+        y = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+        xd = x.double()
+        r = (xd[:k] if kind == 0 else
+             xd[:k] * torch.rsqrt(s.double() / k + 1e-5) * g.double() if kind == 1 else
+             torch.nn.functional.silu(xd[:k]) * xd[k:])
+        ref = ws[0].double() @ r
+        per = {}
+        cands = [("fma", 4, 1024, 1, 4)] + [(f, bn, bk, st, 4) for f in MMA_FORMS
+                                             for bn, bk, st in MMA_TILES]
+        for form, bn, bk, stages, warps in cands:
+            if n % bn or k % bk:
+                continue
+            kern = gemv_split if form == "fma" else forms[form]
+            for split in _splits(n, k, bn, bk, sms) if form != "fma" else \
+                    [s_ for s_ in (1, 2, 4) if k // s_ >= 1024 and k % (s_ * 1024) == 0]:
+                key = f"{form} {bn}x{bk} s{stages} k{split}"
+
+                def launch(i, kern=kern, bn=bn, bk=bk, stages=stages, warps=warps, split=split):
+                    kern[(n // bn, split)](ws[i], x, g, s, p if split > 1 else y, n, k, k // split,
+                                           bn, bk, kind, num_warps=warps, num_stages=stages)
+                    if split > 1:
+                        sum_splits[(-(-n // 1024),)](p, y, n, split, 1024, num_warps=4)
+
+                try:
+                    y.fill_(float("nan"))
+                    launch(0)
+                    torch.cuda.synchronize()
+                except Exception as e:   # shared memory over the limit, for one
+                    results["errors"][f"{name}/{key}"] = str(e).splitlines()[0][:200]
+                    continue
+                err = float((y.double() - ref).norm() / ref.norm())
+                if not err < 2e-2:
+                    results["check"][f"{name}/{key}"] = err
+                    continue
+                per[key] = _time_chain(launch, copies)
+        results["mma"][name] = per
+        del ws
+        torch.cuda.empty_cache()
+        fma = min((t, c) for c, t in per.items() if c.startswith("fma"))
+        best = sorted(per.items(), key=lambda kv: kv[1])[:3]
+        print(f"{name:12s} N={n:6d} K={k:5d} fma best {fma[1]} {fma[0]:6.2f} us "
+              f"{nbytes / fma[0] / 1e6:4.2f} | "
+              + "  ".join(f"{c} {t:.2f} us {nbytes / t / 1e6:.2f}" for c, t in best), flush=True)
+    if out:
+        Path(out).write_text(json.dumps(results, indent=1))
+    return results
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write every timing to this JSON file")
@@ -197,9 +277,14 @@ def main(argv=None):
     ap.add_argument("--rows", action="store_true",
                     help="time codegen's GEMV template and a persistent GEMV with the row a decode "
                          "graph gives each shape (an RMSNorm or SwiGLU expression, ROW_KIND)")
+    ap.add_argument("--mma", action="store_true",
+                    help="time codegen's GEMV template against MMA forms of it (weights pipelined "
+                         "through shared memory), split-K included, with the decode graph's row")
     args = ap.parse_args(argv)
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")} if args.shapes else SHAPES
-    if args.rows:
+    if args.mma:
+        run_mma({s: v for s, v in shapes.items() if s in ROW_KIND and "head" not in s}, args.out)
+    elif args.rows:
         run_rows({s: v for s, v in shapes.items() if s in ROW_KIND}, args.out)
     else:
         run(shapes, args.out)
