@@ -53,7 +53,10 @@ MAGIC = b"GRACE\0PK"
 # count), a kernel's `binaries` cover the archs of the graphs that use it. A package with one
 # variant is a 3.4 package; one with several is refused by a 3.4 reader (duplicate buckets or a
 # missing binary: a ManifestError, never a misread), SPEC §6.
-FORMAT_VERSION = (3, 5)
+# 3.6: a kernel behind a programmatic edge may load before its wait what only nodes certain to have
+# finished (a path with a full edge) write (SPEC §5.3); no manifest key changes, and a 3.5 reader's
+# race check refuses a package that does so (never misreads it).
+FORMAT_VERSION = (3, 6)
 ALIGN = 4096  # section data starts on a page boundary so the weights blob can be mmapped in place
 
 _HEADER = struct.Struct("<8sHHIQQQQQII32s32s")

@@ -20,9 +20,13 @@ running it:
                              (`_unordered`). Seconds at the cap; tests/test_races.py compares it
                              with the all-pairs definition.
   check_pre_wait(package)    every kernel that is the target of a programmatic edge calls
-                             gdc_wait() at the top level of its body, and before that reads nothing
-                             but weights: no store, no early return, no table or arena or state
-                             pointer, checked on the syntax tree of its source (parsed, never run).
+                             gdc_wait() at the top level of its body, and before that stores
+                             nothing, does not return early, and reads only weights or memory
+                             whose writers have certainly finished when it launches (a path with
+                             a full edge from each: the table words, behind the table writer's
+                             full edges; a decode attention's KV caches once their appends run
+                             after it), checked on the syntax tree of its source (parsed, never
+                             run) against the graph's edges.
 
 A path of edges orders two nodes even when its edges are programmatic: every kernel waits (at
 gdc_wait) for the kernels before it to finish before it touches memory, and waits before it exits.
@@ -239,21 +243,23 @@ def _is_call(node, name: str) -> bool:
             and isinstance(node.value.func, ast.Name) and node.value.func.id == name)
 
 
-def _pre_wait_problems(source: str, weight_params: set) -> tuple[bool, list[str]]:
-    """(calls gdc_wait at the top level, problems before it) for one kernel source."""
+def _pre_wait_problems(source: str, weight_params: set) -> tuple[bool, list[str], dict]:
+    """(calls gdc_wait at the top level, problems before it, {parameter: line} of the loads
+    through parameters that are not weights before it) for one kernel source. Whether those
+    loads are safe depends on the graph (`check_pre_wait`)."""
     try:
         tree = ast.parse(source)
     except SyntaxError as e:
-        return False, [f"source does not parse: {e}"]
+        return False, [f"source does not parse: {e}"], {}
     fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
     if len(fns) != 1:
-        return False, ["source must define exactly one kernel function"]
+        return False, ["source must define exactly one kernel function"], {}
     fn = fns[0]
     params = [a.arg for a in fn.args.args]
-    problems = []
+    problems, early = [], {}
     for stmt in fn.body:
         if _is_call(stmt, "gdc_wait"):
-            return True, problems
+            return True, problems, early
         for sub in ast.walk(stmt):
             if isinstance(sub, (ast.Return, ast.If, ast.For, ast.While)):
                 problems.append(f"line {sub.lineno}: control flow before gdc_wait() (a program "
@@ -264,21 +270,61 @@ def _pre_wait_problems(source: str, weight_params: set) -> tuple[bool, list[str]
                 elif sub.func.attr == "load" and sub.args:
                     for name in ast.walk(sub.args[0]):
                         if isinstance(name, ast.Name) and name.id in params and name.id not in weight_params:
-                            problems.append(f"line {sub.lineno}: loads through {name.id}, which is "
-                                            "not a weight, before gdc_wait()")
-    return False, problems
+                            early.setdefault(name.id, sub.lineno)
+    return False, problems, early
+
+
+def _finished_before(nodes, anc) -> list[int]:
+    """Per node, a bitset of the nodes certain to have finished when it launches: those with a
+    path of edges to it that has at least one full edge. A full edge d -> j launches j after d
+    finished, and d finishes only after all its ancestors did (every kernel waits before it
+    exits); a programmatic edge launches j once d launched, so j inherits only d's set."""
+    done = [0] * len(nodes)
+    for j, node in enumerate(nodes):
+        prog = set(node.get("programmatic", ()))
+        bits = 0
+        for d in node.get("deps", ()):
+            if 0 <= d < j:
+                bits |= done[d] if d in prog else anc[d] | (1 << d)
+        done[j] = bits
+    return done
+
+
+def _ranges(manifest, n: int, arg) -> list:
+    """The (resource, start, end) a node's argument reaches, as _accesses counts them."""
+    slots = {s["offset"]: i for i, s in enumerate(manifest["table"]["slots"])}
+    region, off, nbytes = arg["region"], arg["offset"], arg.get("nbytes", 0)
+    if region == "table" and off in slots and n != 0:
+        return [("table", off, off + nbytes), (("io", slots[off]), 0, 1)]
+    return [(region, off, off + nbytes)]
 
 
 def check_pre_wait(package) -> list[str]:
     """`package`: a grace.formats.Package. Kernels that no programmatic edge targets are not
-    checked: they run after everything before them has finished."""
+    checked: they run after everything before them has finished.
+
+    A load before the wait through a pointer that is not a weight (format 3.6) is allowed when,
+    in every graph node running the kernel, no node that writes the memory it reaches may still
+    be running: each such writer that a path of edges leads from has a path with a full edge to
+    the node (`_finished_before`). A writer that no path orders before the node is a race
+    check_races reports; one after it cannot store before this node finished."""
     manifest = package.manifest
     kernels = manifest["kernels"]
     targets: dict[int, list] = {}      # kernel index -> nodes that are programmatic targets
-    for graph in manifest.get("graphs", []):
+    for g, graph in enumerate(manifest.get("graphs", [])):
         for n, node in enumerate(graph["nodes"]):
             if node.get("programmatic"):
-                targets.setdefault(node["kernel"], []).append((graph, n, node))
+                targets.setdefault(node["kernel"], []).append((g, n, node))
+    orders: dict = {}
+
+    def graph_orders(g):
+        if g not in orders:
+            graph = manifest["graphs"][g]
+            anc, _ = _orders(graph["nodes"])
+            orders[g] = (anc, _finished_before(graph["nodes"], anc),
+                         _accesses(manifest, graph))
+        return orders[g]
+
     problems = []
     for k, uses in sorted(targets.items()):
         kernel = kernels[k]
@@ -292,13 +338,35 @@ def check_pre_wait(package) -> list[str]:
         source = bytes(package.section(kernel["source"])).decode("utf-8", "replace")
         try:   # the source names parameter i itself (p0, p1_slot, ...)
             fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef))
-            weight_params = {a.arg for i, a in enumerate(fn.args.args) if i in weights}
+            names = [a.arg for a in fn.args.args]
         except (SyntaxError, StopIteration):
-            weight_params = set()   # _pre_wait_problems reports the source itself
-        waits, found = _pre_wait_problems(source, weight_params)
+            names = []   # _pre_wait_problems reports the source itself
+        weight_params = {a for i, a in enumerate(names) if i in weights}
+        waits, found, early = _pre_wait_problems(source, weight_params)
         if not waits:
-            graph, n, _ = uses[0]
-            found.append(f"never calls gdc_wait() at the top level, yet {_label(graph, n)} of graph "
-                         f"{graph.get('name')!r} has programmatic deps")
+            g, n, _ = uses[0]
+            found.append(f"never calls gdc_wait() at the top level, yet "
+                         f"{_label(manifest['graphs'][g], n)} of graph "
+                         f"{manifest['graphs'][g].get('name')!r} has programmatic deps")
+        for name, line in early.items():
+            i = names.index(name)
+            for g, n, node in uses:
+                graph = manifest["graphs"][g]
+                arg = node["args"][i] if i < len(node["args"]) else {}
+                if "region" not in arg:
+                    found.append(f"line {line}: loads through {name}, which is not a weight, "
+                                 f"before gdc_wait()")
+                    break
+                anc, done, accesses = graph_orders(g)
+                running = [a.node for res, start, end in _ranges(manifest, n, arg)
+                           for a in accesses.get(res, ()) if a.write and a.node != n
+                           and a.start < end and start < a.end
+                           and anc[n] >> a.node & 1 and not done[n] >> a.node & 1]
+                if running:
+                    found.append(f"line {line}: loads through {name} before gdc_wait(), which "
+                                 f"{_label(graph, running[0])} writes and may still be running "
+                                 f"when {_label(graph, n)} of graph {graph.get('name')!r} "
+                                 "launches (no path from it with a full edge)")
+                    break
         problems += [f"kernel {kernel['name']}: {p}" for p in found]
     return problems

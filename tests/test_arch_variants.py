@@ -87,7 +87,7 @@ def _source(pkg, kernel) -> str:
 
 def test_the_manifest_records_one_variant_per_target(builds):
     m = read_package(builds["lm"]).manifest
-    assert m["format_version"] == [3, 5] and m["archs"] == list(BOTH)
+    assert m["format_version"] == [3, 6] and m["archs"] == list(BOTH)
     assert m["options"]["targets"] == [{"archs": ["sm_80"], "pdl": False, "sm_count": 108, "gemm_tiles": None},
                                        {"archs": ["sm_90"], "pdl": True, "sm_count": 132, "gemm_tiles": "sm_90"}]
     assert [a for a, _ in variants(as_view(m))] == [("sm_80",), ("sm_90",)]

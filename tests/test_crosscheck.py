@@ -75,7 +75,7 @@ def _arena_arg(m, nbytes_at_least: int):
 def test_the_compilers_packages_carry_records_and_pass(bases):
     for base in bases.values():
         pkg = read_package(base.path)
-        assert pkg.format_version == (3, 5) and has_records(pkg.manifest)
+        assert pkg.format_version == (3, 6) and has_records(pkg.manifest)
         view = pkg.view
         assert all(k.compiled is not None for k in view.kernels)
         assert all(g.compiled is not None for g in view.graphs)

@@ -319,8 +319,8 @@ def test_wrong_magic(pkg_bytes):
         read_package(pkg_bytes[:5])
 
 
-def test_format_version_is_3_5():
-    assert FORMAT_VERSION == (3, 5)
+def test_format_version_is_3_6():
+    assert FORMAT_VERSION == (3, 6)
 
 
 @pytest.mark.parametrize("major", [0, 1, 2, 4, 65535])
@@ -328,7 +328,7 @@ def test_unknown_major_version(pkg_bytes, major):
     data = bytearray(pkg_bytes)
     data[8:10] = struct.pack("<H", major)
     with pytest.raises(UnsupportedVersionError,
-                       match=rf"version {major}\.\d+ .*3\.x, up to 3\.5\): recompile the model with this grace"):
+                       match=rf"version {major}\.\d+ .*3\.x, up to 3\.6\): recompile the model with this grace"):
         read_package(bytes(data))
 
 

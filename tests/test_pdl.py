@@ -6,6 +6,7 @@ sm_80 build of the same model has neither; both are proven race-free from the ma
 interpreter gives bit-identical results for both builds."""
 from __future__ import annotations
 
+import ast
 import copy
 import pathlib
 import subprocess
@@ -165,9 +166,8 @@ def test_race_checker_catches_a_missing_edge(builds):
     pkg = read_package(builds["sm_90"])
     m = copy.deepcopy(pkg.manifest)
     graph = m["graphs"][0]
-    # a node that reads the output of the node right before it: drop that edge
-    j = next(j for j, n in enumerate(graph["nodes"]) if j >= 2 and j - 1 in n["deps"]
-             and len(n["deps"]) == 2)
+    # a node whose one dependency is the node right before it, whose output it reads: drop it
+    j = next(j for j, n in enumerate(graph["nodes"]) if j >= 2 and n["deps"] == [j - 1])
     graph["nodes"][j]["deps"].remove(j - 1)
     graph["nodes"][j]["programmatic"] = [d for d in graph["nodes"][j].get("programmatic", [])
                                          if d != j - 1]
@@ -186,21 +186,34 @@ def test_race_checker_catches_writes_to_weights_and_inputs(builds):
 
 
 def test_pre_wait_checker_catches_an_early_read(builds, tmp_path):
-    """A kernel edited to load an I/O pointer before its wait (a race PDL would make real)."""
+    """A kernel edited to load, before its wait, what the node before it writes (a race PDL would
+    make real): reported, naming the writer that may still be running."""
     pkg = read_package(builds["sm_90"])
     m = copy.deepcopy(pkg.manifest)
-    k = next(i for i, kern in enumerate(m["kernels"]) if kern["family"] == "pointwise"
-             and any(p["name"] for p in kern["params"]))
+    graph = m["graphs"][0]
+    found = None
+    for j, node in enumerate(graph["nodes"]):   # a programmatic target reading its dep's output
+        for d in node.get("programmatic", ()):
+            dep = graph["nodes"][d]
+            out = [dep["args"][w] for w in m["kernels"][dep["kernel"]]["writes"]]
+            for i, arg in enumerate(node["args"]):
+                if arg.get("region") == "arena" and any(
+                        o.get("region") == "arena" and o["offset"] < arg["offset"] + arg["nbytes"]
+                        and arg["offset"] < o["offset"] + o["nbytes"] for o in out):
+                    found = found or (j, i)
+    assert found is not None
+    j, i = found
+    k = graph["nodes"][j]["kernel"]
     src = bytes(pkg.section(m["kernels"][k]["source"])).decode()
-    first = src.split("(", 2)[1].split(",")[0].split(")")[0].strip()   # the first parameter
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef))
+    param = fn.args.args[i].arg
     bad = src.replace("    gdc_launch_dependents()\n",
-                      f"    gdc_launch_dependents()\n    early = tl.load({first})\n", 1)
+                      f"    gdc_launch_dependents()\n    early = tl.load({param})\n", 1)
     assert bad != src
     data = _repack(pkg, m, {m["kernels"][k]["source"]: bad.encode()})
     problems = check_pre_wait(read_package(data))
-    uses = [n for g in m["graphs"] for n in g["nodes"] if n["kernel"] == k and n.get("programmatic")]
-    if uses:
-        assert any("before gdc_wait()" in p for p in problems)
+    assert any(f"loads through {param} before gdc_wait()" in p and "may still be running" in p
+               for p in problems), problems
 
 
 def test_grace_verify_proves_and_refuses(builds, tmp_path):
