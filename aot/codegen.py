@@ -1014,23 +1014,73 @@ def attention(kernel: Kernel, w: Writer):
     # the query rows' head and row: one head per program, or (pack > 1) a key/value head's query
     # heads packed as rows (head ig * pack + rm // lq, row rm % lq); `ih` is where keys and values
     # are read, the same head for every query head of the group (their head map is h // pack)
-    heads, rows_q = "ih", "rm"
-    if pack > 1:
-        w.emit(f"rm = tl.arange(0, {bm})")
-        w.emit("grp = tl.program_id(1)")
-        w.emit(f"ib = grp // {h // pack}")
-        w.emit(f"ih = (grp % {h // pack}) * {pack}")
-        w.emit(f"ihr = ih + rm // {lq}")
-        w.emit(f"rq = rm % {lq}")
-        heads, rows_q = "ihr[:, None]", "rq"
-    else:
-        w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
-        w.emit("bh = tl.program_id(1)")
-        w.emit(f"ib = bh // {h}")
-        w.emit(f"ih = bh % {h}")
+    heads, rows_q = ("ihr[:, None]", "rq") if pack > 1 else ("ih", "rm")
+
+    def header():
+        if pack > 1:
+            w.emit(f"rm = tl.arange(0, {bm})")
+            w.emit("grp = tl.program_id(1)")
+            w.emit(f"ib = grp // {h // pack}")
+            w.emit(f"ih = (grp % {h // pack}) * {pack}")
+            w.emit(f"ihr = ih + rm // {lq}")
+            w.emit(f"rq = rm % {lq}")
+        else:
+            w.emit(f"rm = tl.program_id(0) * {bm} + tl.arange(0, {bm})")
+            w.emit("bh = tl.program_id(1)")
+            w.emit(f"ib = bh // {h}")
+            w.emit(f"ih = bh % {h}")
+        w.emit(f"rd = tl.arange(0, {bd})")
+        w.emit(f"rdv = tl.arange(0, {bdv})")
+
     lq_rows = lq * pack   # query rows a program's tile holds
-    w.emit(f"rd = tl.arange(0, {bd})")
-    w.emit(f"rdv = tl.arange(0, {bdv})")
+    appended = p.new_pos is not None
+    lk_ext = p.lk_ext
+    n_even = lk % bn == 0 and lk_ext is None
+
+    def kv_masks(suffix=""):
+        mk = _mask(w, "mask_k" + suffix, None if d == bd else f"(rd[:, None] < {d})",
+                   None if n_even else _and_terms(f"(rn[None, :] < {lk})",
+                                                  _dim_valid(w, lk_ext, "rn[None, :]")))
+        mv = _mask(w, "mask_v" + suffix, None if n_even else _and_terms(
+                       f"(rn[:, None] < {lk})", _dim_valid(w, lk_ext, "rn[:, None]")),
+                   None if dv == bdv else f"(rdv[None, :] < {dv})")
+        return mk, mv
+
+    def load_tile(var, expr, width, dims, mask, new=None, at=None):
+        """The key block transposed (`kt`, [bd, bn]) or the value block (`v`, [bn, bdv]); an
+        appended position (`new` at `at`) takes this call's key or value instead of the
+        cache's."""
+        w.emit(f"zero_{var[0]} = tl.zeros([{bd if var[0] == 'k' else bn}, "
+               f"{bn if var[0] == 'k' else bdv}], tl.int32)")
+        ctx = Ctx(w, (b, h, lk, width), ["ib", "ih"] + dims, mask=mask, zero=f"zero_{var[0]}")
+        w.emit(f"{var} = {_masked(ExprEmitter(w).value(expr, ctx), mask)}.to({tl_dot})")
+        if new is not None:
+            w.emit(f"{var} = tl.where({at} == new_pos, {new}, {var})")
+
+    k_dims, v_dims = ["rn[None, :]", "rd[:, None]"], ["rn[:, None]", "rdv[None, :]"]
+    # The KV blocks before the wait (ATTN_KV_BEFORE_WAIT): once fuse_append has moved a decode
+    # step's appends after this attention, no node before it writes the caches, so a split
+    # program can load its one key block while the QKV projection still runs. Only a block that
+    # starts at or before the appended position is loaded early (the keys a causal decode step
+    # keeps); the mask test after the wait decides as before, and loads any other block it keeps.
+    kv_early = (ATTN_KV_BEFORE_WAIT and w.prefetch and appended and split > 1 and chunk == bn
+                and lk_ext is None)
+    if kv_early:
+        with w.before_wait():
+            w.allow_before_wait({ld.buf for e in (p.k, p.v, p.new_pos) for ld in loads(e)})
+            header()
+            pos = ExprEmitter(w).value(p.new_pos, Ctx(w, (b, h, lk, d), ["ib", "ih", "0", "0"]))
+            w.emit(f"new_pos = {pos}")
+            w.emit(f"n0 = tl.program_id(2) * {chunk}")
+            w.emit(f"rn = n0 + tl.arange(0, {bn})")
+            w.emit("early = n0 <= new_pos")
+            mk, mv = kv_masks("_e")
+            load_tile("kt_early", p.k, d, k_dims, _mask(w, "mask_ke", None if mk == "None" else mk,
+                                                        "early"))
+            load_tile("v_early", p.v, dv, v_dims, _mask(w, "mask_ve", None if mv == "None" else mv,
+                                                        "early"))
+    else:
+        header()
     ext = kernel.ext or (None,) * 4
     lk_ext = p.lk_ext
     _exit_beyond(w, ext[2], f"tl.program_id(0) * {bm}")
@@ -1046,9 +1096,8 @@ def attention(kernel: Kernel, w: Writer):
                zero="zero_q")
     q = ExprEmitter(w).value(p.q, qctx)
     w.emit(f"q = {_masked(q, mask_q)}.to({tl_dot})")
-    appended = p.new_pos is not None
     if appended:   # this call's key and value at one position, once per program (fuse_append)
-        _appended_key_value(w, p, bd, bdv, tl_dot)
+        _appended_key_value(w, p, bd, bdv, tl_dot, pos=not kv_early)
     w.emit(f"m_i = tl.full([{bm}], -float(\"inf\"), tl.float32)")
     w.emit(f"l_i = tl.zeros([{bm}], tl.float32)")
     w.emit(f"acc = tl.zeros([{bm}, {bdv}], tl.float32)")
@@ -1069,13 +1118,7 @@ def attention(kernel: Kernel, w: Writer):
         w.emit(f"if {' & '.join(skips)}:")
         w.indent += 1
     w.emit(f"rn = n0 + tl.arange(0, {bn})")
-    n_even = lk % bn == 0 and lk_ext is None
-    mask_k = _mask(w, "mask_k", None if d == bd else f"(rd[:, None] < {d})",
-                   None if n_even else _and_terms(f"(rn[None, :] < {lk})",
-                                                  _dim_valid(w, lk_ext, "rn[None, :]")))
-    mask_v = _mask(w, "mask_v", None if n_even else _and_terms(
-                       f"(rn[:, None] < {lk})", _dim_valid(w, lk_ext, "rn[:, None]")),
-                   None if dv == bdv else f"(rdv[None, :] < {dv})")
+    mask_k, mask_v = kv_masks()
     kvalid = _dim_valid(w, lk_ext, "rn[None, :]")
     masked_block = p.mask is not None
     if p.mask is not None:
@@ -1095,22 +1138,21 @@ def attention(kernel: Kernel, w: Writer):
             w.emit("keep = mask_s & (madd > -float(\"inf\"))")
         w.emit("if tl.max(keep.to(tl.int32)) > 0:")
         w.indent += 1
-    w.emit(f"zero_k = tl.zeros([{bd}, {bn}], tl.int32)")
-    w.emit(f"zero_v = tl.zeros([{bn}, {bdv}], tl.int32)")
+    def tile(var, expr, width, dims, mask, new, at):
+        if not kv_early:
+            load_tile(var, expr, width, dims, mask, new if appended else None, at)
+            return
+        # loaded early unless this block starts past the appended position (a masked load and a
+        # select: a branch instead measured slower on Llama-8B, 4249 -> 4337 us a token)
+        late = _mask(w, f"mask_{var[0]}l", None if mask == "None" else mask, "(n0 > new_pos)")
+        load_tile(var, expr, width, dims, late)
+        w.emit(f"{var} = tl.where(early, {var}_early, {var})")
+        w.emit(f"{var} = tl.where({at} == new_pos, {new}, {var})")
 
-    def load_tile(var, expr, width, dims, mask, new, at):
-        """The key block transposed (`kt`, [bd, bn]) or the value block (`v`, [bn, bdv]); an
-        appended position takes this call's key or value instead of the cache's."""
-        ctx = Ctx(w, (b, h, lk, width), ["ib", "ih"] + dims, mask=mask, zero=f"zero_{var[0]}")
-        w.emit(f"{var} = {_masked(ExprEmitter(w).value(expr, ctx), mask)}.to({tl_dot})")
-        if appended:
-            w.emit(f"{var} = tl.where({at} == new_pos, {new}, {var})")
-
-    load_tile("kt", p.k, d, ["rn[None, :]", "rd[:, None]"], mask_k, "k_new[:, None]", "rn[None, :]")
+    tile("kt", p.k, d, k_dims, mask_k, "k_new[:, None]", "rn[None, :]")
 
     def load_v():
-        load_tile("v", p.v, dv, ["rn[:, None]", "rdv[None, :]"], mask_v, "v_new[None, :]",
-                  "rn[:, None]")
+        tile("v", p.v, dv, v_dims, mask_v, "v_new[None, :]", "rn[:, None]")
     v_early = ATTN_V_EARLY if split > 1 else ATTN_V_EARLY_UNSPLIT
     if v_early:
         load_v()
@@ -1151,13 +1193,15 @@ def attention(kernel: Kernel, w: Writer):
     return (cdiv(lq, bm), b * h, 1), ATTN_WARPS, ATTN_STAGES
 
 
-def _appended_key_value(w: Writer, p, bd: int, bdv: int, tl_dot: str):
-    """`new_pos`, `k_new` [bd] and `v_new` [bdv] of an attention that takes this call's key and
-    value at one position from its spec rather than from the cache (aot/fuse_append.py). They
-    do not depend on the key index: evaluated at key 0, once per program."""
+def _appended_key_value(w: Writer, p, bd: int, bdv: int, tl_dot: str, pos: bool = True):
+    """`new_pos` (unless `pos` is False: already loaded before the wait), `k_new` [bd] and
+    `v_new` [bdv] of an attention that takes this call's key and value at one position from its
+    spec rather than from the cache (aot/fuse_append.py). They do not depend on the key index:
+    evaluated at key 0, once per program."""
     shape_k, shape_v = (p.b, p.h, p.lk, p.d), (p.b, p.h, p.lk, p.dv)
-    pos = ExprEmitter(w).value(p.new_pos, Ctx(w, shape_k, ["ib", "ih", "0", "0"]))
-    w.emit(f"new_pos = {pos}")
+    if pos:
+        value = ExprEmitter(w).value(p.new_pos, Ctx(w, shape_k, ["ib", "ih", "0", "0"]))
+        w.emit(f"new_pos = {value}")
     for name, expr, shape, block, size, lane in (("k_new", p.k_new, shape_k, bd, p.d, "rd"),
                                                 ("v_new", p.v_new, shape_v, bdv, p.dv, "rdv")):
         mask = "None" if size == block else f"({lane} < {size})"
@@ -1187,6 +1231,11 @@ class AttentionPlan:
 # graph, 0.413 -> 0.385 ms a call (docs/performance.md, seventeenth session). 16384: 256 keys of
 # 64, 64 KiB of fp32 keys in 4 warps' registers. 0: off (ATTN_MAX_BLOCK_N keys a step).
 ATTN_ONE_BLOCK_ELEMS = 16384
+# A split decode attention whose appends aot/fuse_append.py moved after it loads its key block
+# before gdc_wait() (see attention()). Off: on the H200 (docs/performance.md, nineteenth session),
+# with the appends moved, a Llama-1B token's GPU span went 824.1 -> 804.9 us against both off, but
+# Llama-8B's 4175.7 -> 4249.4 us (attention 228 -> 259 us a token); the cause is not known yet.
+ATTN_KV_BEFORE_WAIT = False
 ATTN_SPLIT_PROGRAMS_PER_SM = 4   # split keys while the programs stay within this many per SM
 # Pack a decode step's grouped-query heads into one program (AttentionPlan.pack) when the
 # query heads per key/value head times the query rows fit one 16-row tile; 0: off. In the Llama-1B

@@ -42,12 +42,16 @@ class Writer:
     it still do, until its gdc_wait(): `prefetch` tells a template it may emit code for that
     stretch, inside `with w.before_wait():`. There only index math and loads of weights are allowed;
     anything else (an I/O pointer or size from the table, the arena, state, extents) raises
-    NotBeforeWait, and the kernel is generated again without the stretch."""
+    NotBeforeWait, and the kernel is generated again without the stretch. A template may also
+    allow state and input buffers there (`allow_before_wait`) when the graph guarantees that no
+    node before this one writes them (a decode attention's KV caches once aot/fuse_append.py has
+    moved their appends after it)."""
 
     def __init__(self, symbols: dict | None = None, prefetch: bool = False):
         self.prefetch = prefetch
         self.pre_wait: list[str] = []
         self._before_wait = False
+        self._early: set[int] = set()   # Buffer.index of the non-weights allowed before the wait
         self.lines: list[str] = []
         self.indent = 1
         self.params: list = []          # Buffers, in parameter order
@@ -89,18 +93,30 @@ class Writer:
                 self.prologue.append(f"{base}u = {base} + (tl.program_id(0) >> 31)")
                 self._ptr[key] = f"{base}u"
             return self._ptr[key]
-        if self._before_wait and buf.kind != "weight":
+        if self._before_wait and buf.kind != "weight" and buf.index not in self._early:
             raise NotBeforeWait(f"{buf.kind} buffer {buf.name} before gdc_wait()")
         key = buf.index
         if key not in self._ptr:
             name = f"p{len(self.params)}"
             self.params.append(buf)
-            if buf.kind in ("input", "output"):
-                self.prologue.append(
-                    f"{name} = tl.load({name}_slot).to(tl.pointer_type({TL_TYPE[buf.dtype]}))")
-                self.prologue.append(f"{name} = tl.multiple_of({name}, 16)")
+            if buf.kind in ("input", "output"):   # its pointer from the table, where first used
+                into = self.pre_wait if self._before_wait else self.prologue
+                ind = "    " if self._before_wait else ""
+                into.append(f"{ind}{name} = tl.load({name}_slot)"
+                            f".to(tl.pointer_type({TL_TYPE[buf.dtype]}))")
+                into.append(f"{ind}{name} = tl.multiple_of({name}, 16)")
             self._ptr[key] = name
         return self._ptr[key]
+
+    def allow_before_wait(self, bufs) -> None:
+        """Let loads through these state and input buffers go before gdc_wait(): the caller
+        vouches that no node ordered before this kernel writes them (the table words behind an
+        input are written by the table writer, whose edges are full). Never the arena, an
+        output or the extents."""
+        for buf in bufs:
+            if buf.kind not in ("state", "input"):
+                raise NotBeforeWait(f"{buf.kind} buffer {buf.name} before gdc_wait()")
+            self._early.add(buf.index)
 
     def param_names(self) -> list[str]:
         return [f"p{i}_slot" if b.kind in ("input", "output") else f"p{i}"

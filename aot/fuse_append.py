@@ -1,4 +1,4 @@
-"""Stage `fuse`, third pass (off: `APPEND_AFTER_ATTENTION`, it measured slower): a decode step's
+"""Stage `fuse`, third pass (off: `APPEND_AFTER_ATTENTION`; see "Measured" below): a decode step's
 KV-cache appends leave the attention's critical path.
 
 A decode step writes this token's key and value into the caches (two scatter kernels, after the
@@ -20,15 +20,18 @@ attention reads the caches only through `k` and `v`; the kernels between an appe
 attention neither touch the caches nor write what the appends read, and the attention does not
 write it either. Static shapes only (a decode step's graph: `seq=1`).
 
-Measured slower, hence off. In the Llama-1B decode graph on the H200, with the pass, a token took
-0.992 ms against 0.972 ms without it (two interleaved rounds; docs/performance.md, ninth
-session). The GPU test that it changes no value passes, in fp32 and bf16. A likely cause is the
-appended key and value: they are dependent loads after gdc_wait in each of the attention's
-programs. Again in the fifteenth session, now that the pass takes packed grouped-query
-attention (it had refused it, so it never applied to the Llama graphs): 1B 0.858 -> 0.893 ms
-(run()), 8B 4.259 -> 4.426; attention plus combine 90.4 -> 129.7 µs a token against 19.3 -> 14.7
-for the appends. To time it again: `--variant append:fuse_append.APPEND_AFTER_ATTENTION=True` of
-tools/bench_decode.py.
+Measured, four times. Alone the pass lost: the ninth session 0.972 -> 0.992 ms a token, the
+fifteenth (packed grouped-query heads) 0.858 -> 0.893. Two causes were found in the eighteenth
+session. (1) The memory plan gave the combine's output the bytes of the QKV projection's output,
+which the moved appends read: a write-after-read edge put the appends back on the path (combine
+after appends). The appends are now `Kernel.off_path`, and memplan keeps their inputs to the end
+of the graph. (2) Every cache load waited for gdc_wait(); now that nothing before the attention
+writes the caches, codegen.ATTN_KV_BEFORE_WAIT loads the key and value blocks before the wait.
+Nineteenth session, H200, one process per model (docs/performance.md): with both, a Llama-1B
+token's GPU span 824.1 -> 804.9 µs (generate() 0.821 -> 0.801 ms), but Llama-8B's 4175.7 ->
+4249.4 µs (generate() 4.179 -> 4.259); the pass alone, 1B: 824.1 -> 848.5 µs. Off until the 8B loss is
+understood. To time it: `--variant on:fuse_append.APPEND_AFTER_ATTENTION=True,
+codegen.ATTN_KV_BEFORE_WAIT=True` of tools/bench_decode.py.
 """
 from __future__ import annotations
 
@@ -134,6 +137,10 @@ def _rewrite(kernels: list[Kernel], ai: int) -> list[Kernel] | None:
     ki, vi = _writer_before(kernels, ai, k[0]), _writer_before(kernels, ai, v[0])
     if ki is None or vi is None:
         return None
+    # the appends are the caches' only writers before the attention: once they move, nothing
+    # before it writes them (codegen.ATTN_KV_BEFORE_WAIT loads them before gdc_wait() then)
+    if any(kernels[j].out.index in caches for j in range(ai) if j not in (ki, vi)):
+        return None
     pos_k, pos_v = _one_position(kernels[ki], k[0]), _one_position(kernels[vi], v[0])
     if pos_k is None or pos_v is None or str(pos_k) != str(pos_v):
         return None
@@ -158,7 +165,7 @@ def _rewrite(kernels: list[Kernel], ai: int) -> list[Kernel] | None:
     new_spec = replace(spec, k_new=_at_key_zero(stored(sk, k[0]), k[1]),
                        v_new=_at_key_zero(stored(sv, v[0]), v[1]),
                        new_pos=_at_key_zero(pos_k, k[1]))
-    moved = [kernels[j] for j in appends]
+    moved = [replace(kernels[j], off_path=True) for j in appends]
     rest = [x for j, x in enumerate(kernels) if j not in appends]
     at = rest.index(att)
     return rest[:at] + [replace(att, spec=new_spec)] + moved + rest[at + 1:]

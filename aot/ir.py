@@ -426,6 +426,10 @@ class Kernel:
     label: str = ""
     # extents (extents.py) of out_shape, per dimension; None = all static
     ext: tuple | None = None
+    # Runs beside the critical path (a decode step's KV-cache append moved after the attention,
+    # aot/fuse_append.py): the memory plan keeps its arena inputs live to the end of the graph,
+    # so that no later kernel reuses their bytes and has to wait for it (a write-after-read edge).
+    off_path: bool = False
 
     def __post_init__(self):
         if not isinstance(self.spec, Spec):

@@ -1,7 +1,8 @@
 """Stage `memplan` (compiler.PIPELINE): the static memory plan and the graph's dependency edges.
 
 Intermediates share one arena. A buffer is live from the kernel that writes it to the last kernel
-that reads it; offsets are assigned greedily, largest first, at the lowest address that no
+that reads it (to the end of the graph when a kernel off the critical path reads it:
+`ir.Kernel.off_path`); offsets are assigned greedily, largest first, at the lowest address that no
 overlapping-lifetime buffer occupies. Because ranges are reused, graph edges must follow
 write-after-read and write-after-write on byte ranges as well as read-after-write — the CUDA graph
 then is a true DAG in which independent kernels may overlap.
@@ -69,6 +70,11 @@ def plan_memory(kernels: list[Kernel], weights: list[Buffer],
                     first[b.index] = i     # empty: its writer was dropped (drop_empty)
                     bufs[b.index] = b
                 last[b.index] = i
+    for k in kernels:   # off the critical path: its inputs are never reused (ir.Kernel.off_path)
+        if k.off_path:
+            for b in k.reads():
+                if b.kind == "arena":
+                    last[b.index] = len(kernels) - 1
     order = sorted(bufs, key=lambda key: (-bufs[key].nbytes, first[key]))
     placed: list[Placement] = []
     for key in order:

@@ -1,5 +1,5 @@
-"""aot/fuse_append.py (off by default: it measured slower): a decode step's KV-cache appends after the
-attention, which takes this token's key and value from the appends' expressions. Checked through
+"""aot/fuse_append.py (off by default, as codegen.ATTN_KV_BEFORE_WAIT: Llama-8B decode ran slower):
+a decode step's KV-cache appends after the attention, which takes this token's key and value from the appends' expressions. Checked through
 the CPU reference executor against eager and against the same model compiled without the pass
 (which it must match bit for bit: the attention reads the very values the appends store)."""
 from __future__ import annotations
@@ -19,6 +19,7 @@ from grace.tools.models import CachedLlama  # noqa: E402
 from grace.tools.variants import applied, parse_variant  # noqa: E402
 
 ON = parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True")
+OFF = parse_variant("off:fuse_append.APPEND_AFTER_ATTENTION=False,codegen.ATTN_KV_BEFORE_WAIT=False")
 MAX_SEQ = 32
 
 
@@ -31,7 +32,7 @@ def _model(n_heads=4, n_kv_heads=2, max_seq=MAX_SEQ):
 
 def _compile(model, path, on: bool, max_seq=MAX_SEQ, **options):
     t = Dim("seq", min=1, max=max_seq)
-    with applied(ON if on else None):
+    with applied(ON if on else OFF):
         return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
                              output=path, progress=False, fp32_matmul="ieee",
                              dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
@@ -79,7 +80,9 @@ def _eager(model, idx, prompt=6, steps=3):
 
 
 def test_off_by_default(packages):
-    assert fuse_append.APPEND_AFTER_ATTENTION is False
+    """Off by default (both knobs); off, the appends stay before the attention."""
+    from grace.aot import codegen
+    assert fuse_append.APPEND_AFTER_ATTENTION is False and codegen.ATTN_KV_BEFORE_WAIT is False
     fams = _families(packages(4, 2, False)[1])
     assert fams[:fams.index("attention")].count("scatter") == 2
 
@@ -97,6 +100,12 @@ def test_appends_follow_the_attention_and_the_decode_is_unchanged(packages, head
     for i, f in enumerate(fams):
         if f == "attention":   # each layer: attention, then its two appends, then the combine
             assert fams[i + 1:i + 3] == ["scatter", "scatter"], fams
+    # off the path: no node waits for an append (the memory plan gives no later buffer the bytes
+    # the appends read, so there is no write-after-read edge either; ir.Kernel.off_path)
+    m = package.manifest
+    nodes = next(g for g in m["graphs"] if g["name"] == "seq=1")["nodes"]
+    appends = {j for j, n in enumerate(nodes) if m["kernels"][n["kernel"]]["family"] == "scatter"}
+    assert len(appends) == 4 and not any(appends & set(n["deps"]) for n in nodes)
     # the prefill graph (seq=32: 32 positions per append) keeps its order
     prefill = _families(on, "seq=32")
     assert prefill[:prefill.index("attention")].count("scatter") == 2
@@ -154,3 +163,61 @@ def test_packed_grouped_heads(tmp_path):
         for g, r in zip(got, _eager(model, idx, prompt=prompt, steps=2)):
             err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
             assert err < 1e-5, (prompt, err)
+
+
+KV_EARLY = parse_variant("kv:fuse_append.APPEND_AFTER_ATTENTION=True,"
+                         "codegen.ATTN_KV_BEFORE_WAIT=True")
+
+
+def test_key_blocks_before_the_wait(tmp_path):
+    """codegen.ATTN_KV_BEFORE_WAIT (off by default): with the appends after it, a split decode
+    attention loads its key and value blocks before gdc_wait(), where no node before it writes
+    the caches. The race proof accepts that (the caches' only writers run after it; the input
+    position's table words are behind the table writer's full edges), and a planted early read
+    of a cache whose append runs before the attention is refused. Decode logits bit for bit the
+    package without either knob's, with the appended position in the first split, at a split's
+    first and last key, and in the last slot."""
+    import ast
+    import copy
+
+    from test_pdl import _repack
+
+    model = _model(8, 2, max_seq=256)
+    with applied(KV_EARLY):
+        on = _compile(model, tmp_path / "on.grace", True, max_seq=256, pdl=True)
+    off = _compile(model, tmp_path / "off.grace", False, max_seq=256, pdl=True)
+    package = read_package(on)
+    assert races.check_races(package.manifest) == [] and races.check_pre_wait(package) == []
+    m = package.manifest
+    early = [k for k in m["kernels"] if k["family"] == "attention"
+             and "kt_early" in bytes(package.section(k["source"])).decode()]
+    assert len(early) == 1   # the decode step's (seq=1) attention; prefill's is not split so
+    src = bytes(package.section(early[0]["source"])).decode()
+    pre = src[:src.index("gdc_wait()")]
+    assert "kt_early = " in pre and "v_early = " in pre and "new_pos = " in pre
+    idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(1))
+    for prompt in (6, 127, 128, 255):
+        steps = min(2, 256 - prompt)
+        got = _decode(on, idx, prompt=prompt, steps=steps)
+        for g, w in zip(got, _decode(off, idx, prompt=prompt, steps=steps)):
+            np.testing.assert_array_equal(g, w)
+
+    # the same early loads with the pass off (appends before the attention) are a race
+    plain = read_package(off)
+    pm = copy.deepcopy(plain.manifest)
+    graph = next(g for g in pm["graphs"] if g["name"] == "seq=1")
+    j = next(j for j, n in enumerate(graph["nodes"])
+             if pm["kernels"][n["kernel"]]["family"] == "attention")
+    node = graph["nodes"][j]
+    kernel = pm["kernels"][node["kernel"]]
+    assert node.get("programmatic")
+    source = bytes(plain.section(kernel["source"])).decode()
+    fn = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef))
+    cache = next(i for i, a in enumerate(node["args"]) if a.get("region") == "state")
+    name = fn.args.args[cache].arg
+    bad = source.replace("    gdc_launch_dependents()\n",
+                         f"    gdc_launch_dependents()\n    early = tl.load({name})\n", 1)
+    data = _repack(plain, pm, {kernel["source"]: bad.encode()})
+    problems = races.check_pre_wait(read_package(data))
+    assert any(f"loads through {name} before gdc_wait()" in p and "index_put" in p
+               for p in problems), problems

@@ -23,7 +23,9 @@ from test_generate_gpu import MAX_SEQ, NEW, _compile, _logits_and_tokens, _rel  
 
 # decode-graph knobs (tests/test_decode_knobs.py on the CPU), each alone and all together, against
 # a package with all of them off (the split-K GEMV's default K, 8192, is past this model's 2048)
-_OFF = "lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,codegen.ATTN_V_EARLY=False"
+_ATTN_OFF = "lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,codegen.ATTN_V_EARLY=False"
+_OFF = (f"{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=False,"
+        "codegen.ATTN_KV_BEFORE_WAIT=False")
 KNOBS_OFF = f"off:{_OFF}"
 KNOBS = {
     "split": "split:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,"
@@ -38,6 +40,9 @@ KNOBS = {
     "foldmean": f"foldmean:{_OFF},codegen.GEMV_SPLIT_MIN_K=2048,"
                 "fuse_norm.FOLD_INTO_ROW_REDUCTIONS=True",
     "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
+    # the appends after the attention, which loads its key blocks before gdc_wait()
+    "kvearly": f"kvearly:{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=True,"
+               "codegen.ATTN_KV_BEFORE_WAIT=True",
 }
 
 
