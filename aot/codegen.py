@@ -1082,7 +1082,6 @@ def attention(kernel: Kernel, w: Writer):
     else:
         header()
     ext = kernel.ext or (None,) * 4
-    lk_ext = p.lk_ext
     _exit_beyond(w, ext[2], f"tl.program_id(0) * {bm}")
     _exit_beyond(w, ext[0], "ib")
     _exit_beyond(w, ext[1], "ih")

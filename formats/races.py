@@ -83,27 +83,33 @@ def _accesses(manifest, graph) -> dict:
     """{resource: [Access]} of one graph. Resources: "arena", "state", "weights", "table" (byte
     ranges) and ("io", slot) (one I/O tensor, as a whole)."""
     kernels = manifest["kernels"]
-    slots = {s["offset"]: i for i, s in enumerate(manifest["table"]["slots"])}
+    slots = _slots(manifest)
     out: dict = {}
-
-    def add(resource, start, end, node, write):
-        if end > start:
-            out.setdefault(resource, []).append(Access(start, end, node, write))
-
     for n, node in enumerate(graph["nodes"]):
-        kernel = kernels[node["kernel"]]
-        writes = set(kernel["writes"])
+        writes = set(kernels[node["kernel"]]["writes"])
         for i, arg in enumerate(node["args"]):
             if "region" not in arg:
                 continue
-            region, off, nbytes = arg["region"], arg["offset"], arg.get("nbytes", 0)
-            wrote = i in writes
-            if region == "table" and off in slots and n != 0:
-                add("table", off, off + nbytes, n, False)           # the slot's words
-                add(("io", slots[off]), 0, 1, n, wrote)           # the tensor behind them
-            else:
-                add(region, off, off + nbytes, n, wrote)
+            for resource, start, end, writable in _ranges(slots, n, arg):
+                if end > start:
+                    out.setdefault(resource, []).append(
+                        Access(start, end, n, writable and i in writes))
     return out
+
+
+def _slots(manifest) -> dict:
+    """{table offset of an I/O slot: slot index}."""
+    return {s["offset"]: i for i, s in enumerate(manifest["table"]["slots"])}
+
+
+def _ranges(slots: dict, n: int, arg) -> list:
+    """(resource, start, end, writable) for what node `n`'s argument `arg` reaches. A kernel's
+    pointer to an I/O slot reaches the slot's table words, which it only reads, and the tensor
+    behind them as a whole, which it may write; the table writer (node 0) writes the words."""
+    region, off, nbytes = arg["region"], arg["offset"], arg.get("nbytes", 0)
+    if region == "table" and off in slots and n != 0:
+        return [("table", off, off + nbytes, False), (("io", slots[off]), 0, 1, True)]
+    return [(region, off, off + nbytes, True)]
 
 
 def _is_code_store(a: Access, error_word) -> bool:
@@ -290,15 +296,6 @@ def _finished_before(nodes, anc) -> list[int]:
     return done
 
 
-def _ranges(manifest, n: int, arg) -> list:
-    """The (resource, start, end) a node's argument reaches, as _accesses counts them."""
-    slots = {s["offset"]: i for i, s in enumerate(manifest["table"]["slots"])}
-    region, off, nbytes = arg["region"], arg["offset"], arg.get("nbytes", 0)
-    if region == "table" and off in slots and n != 0:
-        return [("table", off, off + nbytes), (("io", slots[off]), 0, 1)]
-    return [(region, off, off + nbytes)]
-
-
 def check_pre_wait(package) -> list[str]:
     """`package`: a grace.formats.Package. Kernels that no programmatic edge targets are not
     checked: they run after everything before them has finished.
@@ -316,6 +313,7 @@ def check_pre_wait(package) -> list[str]:
             if node.get("programmatic"):
                 targets.setdefault(node["kernel"], []).append((g, n, node))
     orders: dict = {}
+    slots = _slots(manifest)
 
     def graph_orders(g):
         if g not in orders:
@@ -358,7 +356,7 @@ def check_pre_wait(package) -> list[str]:
                                  f"before gdc_wait()")
                     break
                 anc, done, accesses = graph_orders(g)
-                running = [a.node for res, start, end in _ranges(manifest, n, arg)
+                running = [a.node for res, start, end, _ in _ranges(slots, n, arg)
                            for a in accesses.get(res, ()) if a.write and a.node != n
                            and a.start < end and start < a.end
                            and anc[n] >> a.node & 1 and not done[n] >> a.node & 1]
