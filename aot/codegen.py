@@ -1230,12 +1230,23 @@ class AttentionPlan:
 # graph, 0.413 -> 0.385 ms a call (docs/performance.md, seventeenth session). 16384: 256 keys of
 # 64, 64 KiB of fp32 keys in 4 warps' registers. 0: off (ATTN_MAX_BLOCK_N keys a step).
 ATTN_ONE_BLOCK_ELEMS = 16384
-# A split decode attention whose appends aot/fuse_append.py moved after it loads its key block
-# before gdc_wait() (see attention()). Off: on the H200 (docs/performance.md, nineteenth session),
-# with the appends moved, a Llama-1B token's GPU span went 824.1 -> 804.9 us against both off, but
-# Llama-8B's 4175.7 -> 4249.4 us (attention 228 -> 259 us a token); the cause is not known yet.
-ATTN_KV_BEFORE_WAIT = False
+# A split decode attention whose appends aot/fuse_append.py moved after it loads its key and value
+# blocks before gdc_wait() (see attention()). On the H200 (docs/performance.md), against both
+# off: a Llama-1B token's GPU span 824.1 -> 804.9 us (nineteenth session); Llama-8B's went
+# 4175.7 -> 4249.4 us with 128-key blocks (registers: ATTN_SPLIT_BLOCK_ELEMS) and 4174.4 ->
+# 4127.7 us with 64-key ones (twentieth session).
+ATTN_KV_BEFORE_WAIT = True
 ATTN_SPLIT_PROGRAMS_PER_SM = 4   # split keys while the programs stay within this many per SM
+# The largest key block (keys x head columns) of a split-KV decode program (one query tile):
+# fewer keys a step, and more splits, past it. A split decode program may load its key and value blocks before gdc_wait()
+# (ATTN_KV_BEFORE_WAIT) and holds both in registers beside the loop's own; ptxas (sm_90) gave
+# Llama-8B's 128 keys x 128 columns 255 registers and a 144-byte stack, Llama-1B's 128 x 64 182
+# registers, 64 x 128 178. At 255 a program shares no multiprocessor with two programs of the
+# persistent GEMV before it (66 registers x 256 threads each), so it could not load early at all.
+# H200, Llama-8B decode (docs/performance.md, twentieth session): with the KV blocks before the
+# wait, 16 splits of 128 keys 4249 us a token against 4175 without; 32 splits of 64 keys 4128.
+# Without early loads the 8B block size made no difference (4182 vs 4174).
+ATTN_SPLIT_BLOCK_ELEMS = 8192
 # Pack a decode step's grouped-query heads into one program (AttentionPlan.pack) when the
 # query heads per key/value head times the query rows fit one 16-row tile; 0: off. In the Llama-1B
 # decode graph on the H200 attention and its combine took 7.5 us a layer (profile_kernels
@@ -1259,10 +1270,18 @@ def attention_plan(b: int, h: int, lq: int, lk: int, sm_count: int, rep: int = 1
     bn = 16 if lk <= 16 else 32 if lk <= 32 else 64 if lk <= 64 else ATTN_MAX_BLOCK_N
     pack = rep if ATTN_PACK_GQA and packable and rep > 1 and rep * lq <= 16 else 1
     programs = cdiv(lq * pack, bm) * b * (h // pack)
-    split = 1
-    while (programs * split * 2 <= ATTN_SPLIT_PROGRAMS_PER_SM * sm_count
-           and lk % (split * 2 * bn) == 0 and lk // (split * 2) >= bn):
-        split *= 2
+
+    def splits(bn):
+        split = 1
+        while (programs * split * 2 <= ATTN_SPLIT_PROGRAMS_PER_SM * sm_count
+               and lk % (split * 2 * bn) == 0 and lk // (split * 2) >= bn):
+            split *= 2
+        return split
+    split = splits(bn)
+    if (split > 1 and lq * pack <= bm and ATTN_SPLIT_BLOCK_ELEMS
+            and bn * head_block(d) > ATTN_SPLIT_BLOCK_ELEMS):   # a decode step (one query tile)
+        bn = max(16, ATTN_SPLIT_BLOCK_ELEMS // head_block(d))
+        split = splits(bn)
     if pack > 1 and split == 1:   # packing is for split-KV decode steps only
         return attention_plan(b, h, lq, lk, sm_count, d=d)
     if split == 1 and lk > bn and next_pow2(lk) * head_block(d) <= ATTN_ONE_BLOCK_ELEMS:

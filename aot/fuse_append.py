@@ -1,4 +1,4 @@
-"""Stage `fuse`, third pass (off: `APPEND_AFTER_ATTENTION`; see "Measured" below): a decode step's
+"""Stage `fuse`, third pass (on: `APPEND_AFTER_ATTENTION`; see "Measured" below): a decode step's
 KV-cache appends leave the attention's critical path.
 
 A decode step writes this token's key and value into the caches (two scatter kernels, after the
@@ -29,9 +29,13 @@ of the graph. (2) Every cache load waited for gdc_wait(); now that nothing befor
 writes the caches, codegen.ATTN_KV_BEFORE_WAIT loads the key and value blocks before the wait.
 Nineteenth session, H200, one process per model (docs/performance.md): with both, a Llama-1B
 token's GPU span 824.1 -> 804.9 µs (generate() 0.821 -> 0.801 ms), but Llama-8B's 4175.7 ->
-4249.4 µs (generate() 4.179 -> 4.259); the pass alone, 1B: 824.1 -> 848.5 µs. Off until the 8B loss is
-understood. To time it: `--variant on:fuse_append.APPEND_AFTER_ATTENTION=True,
-codegen.ATTN_KV_BEFORE_WAIT=True` of tools/bench_decode.py.
+4249.4 µs (generate() 4.179 -> 4.259); the pass alone, 1B: 824.1 -> 848.5 µs. The 8B loss was
+registers (twentieth session): its 128-key x 128-column early blocks took 255 registers and
+spilled, and such a program fits no multiprocessor beside the QKV GEMV it should overlap.
+With 64-key blocks at head dimension 128 (codegen.ATTN_SPLIT_BLOCK_ELEMS) the 8B span went
+4174.4 -> 4127.7 µs (generate() 4.192 -> 4.142 ms). On by default since, with
+ATTN_KV_BEFORE_WAIT. To time without: `--variant off:fuse_append.APPEND_AFTER_ATTENTION=False,
+codegen.ATTN_KV_BEFORE_WAIT=False` of tools/bench_decode.py.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ from dataclasses import replace
 from .families import Attention, Scatter
 from .ir import Acc, DimMap, Index, Kernel, Load, Op, Reindex, contiguous_strides, loads, walk
 
-APPEND_AFTER_ATTENTION = False
+APPEND_AFTER_ATTENTION = True
 
 
 def _whole_read(expr, shape):

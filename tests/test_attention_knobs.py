@@ -76,6 +76,21 @@ def test_one_block_only_where_it_fits():
     assert decode.split > 1 and decode.bn == ATTN_MAX_BLOCK_N
 
 
+def test_split_key_blocks_fit_registers():
+    """A split-KV program's key block stays within ATTN_SPLIT_BLOCK_ELEMS (keys x head columns),
+    so its key and value blocks can load before gdc_wait() without spilling: Llama-1B's decode
+    step (head dimension 64) keeps 16 splits of 128 keys, Llama-8B's (128) takes 32 of 64. An
+    attention of many query tiles keeps its blocks."""
+    from grace.aot import codegen
+    from grace.aot.codegen import attention_plan
+    one_b = attention_plan(1, 32, 1, 2048, 132, rep=4, packable=True, d=64)
+    eight_b = attention_plan(1, 32, 1, 2048, 132, rep=4, packable=True, d=128)
+    assert (one_b.bn, one_b.split, one_b.pack) == (128, 16, 4)
+    assert (eight_b.bn, eight_b.split, eight_b.pack) == (64, 32, 4)
+    assert eight_b.bn * 128 <= codegen.ATTN_SPLIT_BLOCK_ELEMS
+    assert attention_plan(1, 12, 512, 512, 132, d=128).bn == codegen.ATTN_MAX_BLOCK_N
+
+
 class Causal(torch.nn.Module):
     def forward(self, q, k, v):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -1,4 +1,4 @@
-"""aot/fuse_append.py (off by default, as codegen.ATTN_KV_BEFORE_WAIT: Llama-8B decode ran slower):
+"""aot/fuse_append.py (on by default, as codegen.ATTN_KV_BEFORE_WAIT):
 a decode step's KV-cache appends after the attention, which takes this token's key and value from the appends' expressions. Checked through
 the CPU reference executor against eager and against the same model compiled without the pass
 (which it must match bit for bit: the attention reads the very values the appends store)."""
@@ -79,10 +79,10 @@ def _eager(model, idx, prompt=6, steps=3):
     return ref
 
 
-def test_off_by_default(packages):
-    """Off by default (both knobs); off, the appends stay before the attention."""
+def test_on_by_default(packages):
+    """On by default (both knobs); off, the appends stay before the attention."""
     from grace.aot import codegen
-    assert fuse_append.APPEND_AFTER_ATTENTION is False and codegen.ATTN_KV_BEFORE_WAIT is False
+    assert fuse_append.APPEND_AFTER_ATTENTION is True and codegen.ATTN_KV_BEFORE_WAIT is True
     fams = _families(packages(4, 2, False)[1])
     assert fams[:fams.index("attention")].count("scatter") == 2
 
@@ -170,7 +170,7 @@ KV_EARLY = parse_variant("kv:fuse_append.APPEND_AFTER_ATTENTION=True,"
 
 
 def test_key_blocks_before_the_wait(tmp_path):
-    """codegen.ATTN_KV_BEFORE_WAIT (off by default): with the appends after it, a split decode
+    """codegen.ATTN_KV_BEFORE_WAIT (on by default): with the appends after it, a split decode
     attention loads its key and value blocks before gdc_wait(), where no node before it writes
     the caches. The race proof accepts that (the caches' only writers run after it; the input
     position's table words are behind the table writer's full edges), and a planted early read

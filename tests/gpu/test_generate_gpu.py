@@ -121,8 +121,8 @@ def _logits_and_tokens(pkg, prompt):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_appends_after_attention_change_no_value(tmp_path, dtype):
-    """aot/fuse_append.py (off by default: it measured slower): with the KV-cache appends moved after
-    the attention, prefill and decode logits equal the default package's bit for bit (the
+    """aot/fuse_append.py (on by default): with the KV-cache appends moved after the attention,
+    prefill and decode logits equal those of the package without the pass bit for bit (the
     attention reads the very values the appends store), and generate() gives the same tokens."""
     from grace.tools.variants import applied, parse_variant
 
@@ -130,7 +130,9 @@ def test_appends_after_attention_change_no_value(tmp_path, dtype):
     kw = {"fp32_matmul": "ieee"} if dtype == torch.float32 else {}
     with applied(parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True")):
         moved = load(_compile(model, tmp_path / "moved.grace", **kw))
-    plain = load(_compile(model, tmp_path / "plain.grace", **kw))
+    with applied(parse_variant("plain:fuse_append.APPEND_AFTER_ATTENTION=False,"
+                               "codegen.ATTN_KV_BEFORE_WAIT=False")):
+        plain = load(_compile(model, tmp_path / "plain.grace", **kw))
     prompt = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(4))
     (got, got_tokens), (want, want_tokens) = (_logits_and_tokens(pkg, prompt)
                                               for pkg in (moved, plain))
