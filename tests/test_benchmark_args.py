@@ -292,3 +292,25 @@ def test_a_dynamic_variant_is_compiled_with_its_constants_and_timed_as_its_own(m
     assert fuse_norm.FOLD_SPLIT_K_INTO_NORM   # restored
     assert res["grace[nofold]"]["nodes_changed"] == 3
     assert "FOLD_SPLIT_K_INTO_NORM=False" in res["grace[nofold]"]["settings"]
+
+
+def test_generate_per_token_pairs_loops_and_takes_the_median():
+    """bench_decode's generate() figure: loops of steps + 1 and 2 * steps + 1 tokens timed back
+    to back, the median pair; one pair with a slow prefill in its short loop (which the old
+    one-token difference would have credited to the loop) does not move it. A cache too short
+    for both loops falls back to a one-token short call."""
+    from grace.tools import bench_decode as D
+    calls, slow = [], iter([0.0, 0.0, 0.016, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+
+    def timed(n):   # 10 ms prefill (16 ms more once), 0.8 ms a token
+        calls.append(n)
+        return 0.010 + (next(slow) if n == 65 else 0.0) + n * 0.0008
+
+    ms, prefill, pairs = D.generate_ms_per_token(timed, 64, 1000, 2048, 5)
+    assert calls == [65, 129] * 5
+    assert ms == pytest.approx(0.8) and prefill == pytest.approx(10.8)
+    assert min(pairs) == pytest.approx(0.8 - 16 / 64)
+    calls.clear()
+    slow = iter([0.0] * 10)
+    D.generate_ms_per_token(timed, 64, 2000, 2048, 2)
+    assert calls == [1, 65, 1, 65]

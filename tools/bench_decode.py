@@ -9,7 +9,8 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
                    way gpt-fast serves it (CUDA graphs, cache updated in place)
   grace run()      Session.run() per token on device tensors, argmax by torch
   grace generate() Session.generate(): prefill, then every decode step inside one CUDA graph
-                   WHILE loop; per token = (time for N+1 tokens - time for 1 token) / N
+                   WHILE loop; per token = (time for 2N+1 tokens - time for N+1) / N, the
+                   median of 5 pairs timed back to back (each call prefills again)
   ... no PDL       the same model compiled with pdl=False (grace's default has programmatic
                    edges, docs/design-pdl.md); "full edges" loads the default package with
                    load(pdl=False): the same kernels, every edge a full one
@@ -20,8 +21,8 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
                    (its settings did not apply: `nodes_changed` 0 in the JSON)
 `--timeline` adds, for grace's package and each variant, the decode graph's time node by node
 (profile_kernels --timeline, as built), so an A/B shows where the time moved.
-Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes). The HBM
-fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
+Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes; generate() as
+above). The HBM fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
 positions up to the current one) / time / 4.3 TB/s (the copy rate measured on the H200).
 grace's package is compiled on the machine that runs the benchmark (--workdir).
 """
@@ -30,12 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
 
 from grace.tools.variants import applied, nodes_changed, parse_variant
 
+GENERATE_PAIRS = 5   # generate() is timed as the median of this many pairs of loops (at least)
 COPY_RATE = 4.3e12   # bytes/s, H200 device-to-device copy (design.md §4)
 SHAPES = {
     # gpt-fast's configs (Llama-3.2-1B, Llama-3-8B), cache 2048
@@ -100,6 +103,24 @@ def _drop(path: Path):
     """A measured A/B package goes once timed: an 8B package is 16 GB and the benchmark compiles
     one per variant (the GPU machine's disk holds four)."""
     path.unlink(missing_ok=True)
+
+
+def generate_ms_per_token(timed, steps: int, pos: int, max_seq: int, pairs: int):
+    """(ms per token, ms of the prefill, every pair's ms per token) of generate(), from
+    `timed(n)`: the seconds of one generate() call of n new tokens after a `pos`-token prompt.
+    Two loops that differ by `steps` tokens are timed back to back, and the median of `pairs`
+    such pairs taken: every call prefills again, and on the H200 the prefill moved by up to 16 ms
+    between calls (twentieth session), so the earlier method, the best of a one-token call
+    subtracted from the best of a long one, could credit a slow prefill to the loop. The short
+    loop takes `steps` + 1 tokens where the cache holds both loops, else 1."""
+    short = steps + 1 if pos + 2 * steps <= max_seq else 1
+    per_token, prefills = [], []
+    for _ in range(pairs):
+        a, b = timed(short), timed(short + steps)
+        per_token.append((b - a) / steps)
+        prefills.append(a - (short - 1) * per_token[-1])
+    return (statistics.median(per_token) * 1e3, statistics.median(prefills) * 1e3,
+            [t * 1e3 for t in per_token])
 
 
 def _time_tokens(step, tok, pos, steps, repeats, sync):
@@ -258,18 +279,17 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         res[f"grace_tokens_equal_eager{suffix}"] = int(sum(a == b for a, b in zip(got.tolist(), ref_tokens)))
 
         def timed_generate(n):
-            best = float("inf")
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                sess.generate(host_prompt, n)
-                best = min(best, time.perf_counter() - t0)
-            return best
+            sync()
+            t0 = time.perf_counter()
+            sess.generate(host_prompt, n)
+            return time.perf_counter() - t0
 
-        one, many = timed_generate(1), timed_generate(steps + 1)
-        res[f"grace_generate_prefill_ms{suffix}"] = one * 1e3
+        per_token, prefill, pairs = generate_ms_per_token(timed_generate, steps, pos, max_seq,
+                                                          max(repeats, GENERATE_PAIRS))
+        res[f"grace_generate_prefill_ms{suffix}"] = prefill
+        res[f"grace_generate_ms_per_token_pairs{suffix}"] = pairs
         key = f"grace generate(){suffix}"
-        res["ms_per_token"][key] = (many - one) / steps * 1e3
+        res["ms_per_token"][key] = per_token
         _log(f"{key} {res['ms_per_token'][key]:.3f} ms/token")
         sess.close()
 
