@@ -45,6 +45,10 @@ from .families import Attention, Scatter
 from .ir import Acc, DimMap, Index, Kernel, Load, Op, Reindex, contiguous_strides, loads, walk
 
 APPEND_AFTER_ATTENTION = True
+# The moved appends of an attention whose caches no later kernel reads go to the end of the
+# kernel list instead of right after it: the graph then issues every critical-path kernel before
+# them (their edges are the same: the QKV projection's output and the attention's reads).
+APPENDS_LAST = False
 
 
 def _whole_read(expr, shape):
@@ -172,7 +176,10 @@ def _rewrite(kernels: list[Kernel], ai: int) -> list[Kernel] | None:
     moved = [replace(kernels[j], off_path=True) for j in appends]
     rest = [x for j, x in enumerate(kernels) if j not in appends]
     at = rest.index(att)
-    return rest[:at] + [replace(att, spec=new_spec)] + moved + rest[at + 1:]
+    after = rest[at + 1:]
+    if APPENDS_LAST and not any(_reads(x) & caches for x in after):
+        return rest[:at] + [replace(att, spec=new_spec)] + after + moved
+    return rest[:at] + [replace(att, spec=new_spec)] + moved + after
 
 
 def append_after_attention(kernels: list[Kernel]) -> list[Kernel]:
@@ -180,9 +187,8 @@ def append_after_attention(kernels: list[Kernel]) -> list[Kernel]:
     appends' expressions and the appends moved after it, as a new list (`kernels` and its
     kernels unchanged)."""
     kernels = list(kernels)
-    for i in range(len(kernels)):
-        if isinstance(kernels[i].spec, Attention):
-            new = _rewrite(kernels, i)
-            if new is not None:
-                kernels = new
+    for att in [x for x in kernels if isinstance(x.spec, Attention)]:
+        new = _rewrite(kernels, next(i for i, x in enumerate(kernels) if x is att))
+        if new is not None:
+            kernels = new
     return kernels

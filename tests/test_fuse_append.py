@@ -221,3 +221,23 @@ def test_key_blocks_before_the_wait(tmp_path):
     problems = races.check_pre_wait(read_package(data))
     assert any(f"loads through {name} before gdc_wait()" in p and "index_put" in p
                for p in problems), problems
+
+
+def test_appends_last_puts_them_at_the_end_and_changes_no_value(tmp_path, packages):
+    """fuse_append.APPENDS_LAST (off by default): the moved appends of every layer go to the end
+    of the decode graph's kernel list, still leaves (nothing waits for them), and the decode is
+    bit for bit the default package's."""
+    model, on = packages(4, 2, True)
+    with applied(parse_variant("last:fuse_append.APPENDS_LAST=True")):
+        last = _compile(model, tmp_path / "last.grace", True)
+    fams = _families(last)
+    assert fams[-4:] == ["scatter"] * 4 and fams.count("attention") == 2
+    m = read_package(last).manifest
+    graph = next(g for g in m["graphs"] if g["name"] == "seq=1")
+    scatters = {j for j, n in enumerate(graph["nodes"])
+                if m["kernels"][n["kernel"]]["family"] == "scatter"}
+    assert not any(set(n["deps"]) & scatters for n in graph["nodes"])
+    assert races.check_races(m) == []
+    idx = torch.randint(0, 96, (1, MAX_SEQ), generator=torch.Generator().manual_seed(3))
+    for g, w in zip(_decode(last, idx, prompt=7, steps=3), _decode(on, idx, prompt=7, steps=3)):
+        np.testing.assert_array_equal(g, w)
