@@ -314,3 +314,13 @@ def test_generate_per_token_pairs_loops_and_takes_the_median():
     slow = iter([0.0] * 10)
     D.generate_ms_per_token(timed, 64, 2000, 2048, 2)
     assert calls == [1, 65, 1, 65]
+
+
+def test_wave_cap_ab_help_names_its_modes(capsys):
+    """tools/wave_cap_ab.py runs on a GPU machine only; here its command line."""
+    from grace.tools import wave_cap_ab
+    with pytest.raises(SystemExit) as e:
+        wave_cap_ab.main(["--help"])
+    assert e.value.code == 0
+    assert "one-wave cap" in capsys.readouterr().out
+    assert wave_cap_ab.MODES == ("cap", "nocap", "cap>2/SM")

@@ -1,0 +1,85 @@
+"""tools/kernel_resources.py: registers and programs per multiprocessor from a package's cubins
+(cuobjdump of Triton's NVIDIA backend, no GPU), alone and beside the node a kernel overlaps."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from grace.aot import compile as grace_compile  # noqa: E402
+from grace.formats import read_package  # noqa: E402
+from grace.tools import kernel_resources as kr  # noqa: E402
+
+H200 = kr.SM_LIMITS["sm_90"]
+
+
+def test_programs_per_sm_counts_registers_by_the_warp():
+    """The register story of the twentieth session, in numbers: two persistent-GEMV programs (66
+    registers, 8 warps) leave no room for a 4-warp attention program at 255 registers, and room
+    for one at 178."""
+    assert kr.programs_per_sm(255, 4, 1024, H200) == 2
+    gemv = 2 * (-(-66 * 32 // kr.REG_UNIT) * kr.REG_UNIT) * 8
+    taken = (gemv, 2 * 256, 2 * (1024 + H200["reserved"]), 2)
+    assert kr.programs_per_sm(255, 4, 1024, H200, taken) == 0
+    assert kr.programs_per_sm(178, 4, 1024, H200, taken) == 1
+    # threads, shared memory and the block limit bound it too
+    assert kr.programs_per_sm(16, 32, 0, H200) == 2
+    assert kr.programs_per_sm(16, 1, 115840, H200) == 1   # the runtime's one-program cap
+    assert kr.programs_per_sm(16, 1, 76928, H200) == 2    # ... and its two-program one
+    assert kr.programs_per_sm(16, 1, 0, H200) == 32
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("kr") / "mlp.grace"
+    return grace_compile(MLP().eval(), (torch.randn(4, 64),), output=path, progress=False,
+                         fp32_matmul="ieee")
+
+
+def test_rows_read_every_node_from_the_cubins(package):
+    pkg = read_package(package, verify=False)
+    rows = kr.node_rows(pkg, "sm_90")
+    graph = pkg.view.graphs[0]
+    assert [r["node"] for r in rows] == list(range(len(graph.nodes)))
+    for r, node in zip(rows, graph.nodes):
+        kernel = pkg.view.kernels[node.kernel]
+        assert r["kernel"] == kernel.name and r["regs"] > 0 and r["alone"] >= 1
+        if node.programmatic:   # launched with the runtime's one-wave cap, beside its predecessor
+            assert r["after"] == max(node.programmatic) and r["shared"] >= kernel.shared
+            assert 0 <= r["beside"] <= r["alone"]
+        else:
+            assert r["beside"] is None and r["shared"] == kernel.shared
+    assert any(r["beside"] is not None for r in rows)   # sm_90: programmatic edges by default
+
+
+def test_cli_prints_a_table_and_writes_json(package, tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert kr.main([str(package), "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert table.startswith("graph ") and all(r["kernel"][:26] in table for r in rows)
+    assert kr.main([str(package), "--graph", "no-such-graph"]) == 1
+    assert "no graph named no-such-graph" in capsys.readouterr().err
+    assert kr.main([str(package), "--arch", "sm_75"]) == 1
+    assert "sm_75" in capsys.readouterr().err
+
+
+def test_missing_cuobjdump_says_where_to_get_it(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia", None)
+    monkeypatch.setattr(kr.shutil, "which", lambda name: None)
+    with pytest.raises(kr.ResourceError, match="install triton"):
+        kr.find_cuobjdump()

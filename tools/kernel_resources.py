@@ -1,0 +1,190 @@
+"""Registers, stack and shared memory of a package's kernels, read from its cubins (no GPU), and
+how many programs of each graph node fit one multiprocessor, alone and beside the node before it.
+
+    python -m grace.tools.kernel_resources MODEL.grace [--graph seq=1] [--arch sm_90] [--json F]
+
+Why: under programmatic dependent launch a kernel's programs start while the kernel before still
+runs, and load their weights (or a decode attention its KV blocks) before gdc_wait() — but only
+the programs that fit a multiprocessor beside the ones already there. Registers decide that as
+much as the grid: Llama-8B's decode attention with its KV blocks before the wait took 255
+registers and a 144-byte stack at 128 keys x 128 columns, and ran slower than without early
+loads; at 64 keys, 178 registers, it ran faster (docs/performance.md, twentieth session). The
+runtime's one-wave cap (runtime/occupancy.py) adds dynamic shared memory to every node behind a
+programmatic edge; the "beside" column counts with it, as the runtime launches them on this arch.
+
+Columns per node: grid, warps, registers a thread, stack bytes a thread (ptxas' frame: spilled
+registers live there), programs per multiprocessor by registers, threads, shared memory and the
+block limit ("alone"), and with the programs of its last programmatic dependency (the node it
+overlaps) resident at that node's density, ceil(grid / SMs) ("beside"; "-" without one). cuobjdump comes with Triton's
+NVIDIA backend (or from PATH).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Per multiprocessor: registers, threads, resident blocks, shared memory (bytes) and the shared
+# memory the driver reserves per block. CUDA C Programming Guide, "Technical Specifications per
+# Compute Capability"; the shared sizes are cudaDevAttrMaxSharedMemoryPerMultiprocessor.
+SM_LIMITS = {
+    "sm_80": dict(regs=65536, threads=2048, blocks=32, shared=167936, reserved=1024),
+    "sm_86": dict(regs=65536, threads=1536, blocks=16, shared=102400, reserved=1024),
+    "sm_89": dict(regs=65536, threads=1536, blocks=24, shared=102400, reserved=1024),
+    "sm_90": dict(regs=65536, threads=2048, blocks=32, shared=233472, reserved=1024),
+    "sm_100": dict(regs=65536, threads=2048, blocks=32, shared=233472, reserved=1024),
+    "sm_120": dict(regs=65536, threads=1536, blocks=32, shared=102400, reserved=1024),
+}
+REG_UNIT = 256   # registers are granted to a warp in multiples of this
+_USAGE = re.compile(r"Function ([^\s:]+):\s*\n\s*(REG:[^\n]*)")
+
+
+class ResourceError(RuntimeError):
+    pass
+
+
+def find_cuobjdump() -> str:
+    """Triton's bundled cuobjdump, else one on PATH (ResourceError when neither exists)."""
+    try:
+        import triton.backends.nvidia as nv
+        bundled = Path(nv.__file__).parent / "bin" / "cuobjdump"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    found = shutil.which("cuobjdump")
+    if found is None:
+        raise ResourceError("cuobjdump not found: install triton (it ships one with its NVIDIA "
+                            "backend) or put the CUDA toolkit's bin/ on PATH")
+    return found
+
+
+def cubin_usage(cubin: bytes, tool: str) -> dict:
+    """{function name: {"REG": n, "STACK": bytes, "SHARED": bytes, "LOCAL": bytes, ...}}."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                              text=True, timeout=120)
+    if done.returncode:
+        raise ResourceError(f"cuobjdump failed: {done.stderr.strip()[-500:]}")
+    return {name: {k: int(v) for k, v in re.findall(r"([A-Z_]+(?:\[\d+\])?):(\d+)", fields)}
+            for name, fields in _USAGE.findall(done.stdout)}
+
+
+def programs_per_sm(regs: int, warps: int, shared: int, limits: dict, taken=None) -> int:
+    """Programs of a kernel that fit one multiprocessor; `taken` = (registers, threads, shared,
+    blocks) already held there by other programs."""
+    used_regs, used_threads, used_shared, used_blocks = taken or (0, 0, 0, 0)
+    block_regs = math.ceil(max(regs, 1) * 32 / REG_UNIT) * REG_UNIT * warps
+    return max(0, min((limits["regs"] - used_regs) // block_regs,
+                      (limits["threads"] - used_threads) // (32 * warps),
+                      (limits["shared"] - used_shared) // (shared + limits["reserved"]),
+                      limits["blocks"] - used_blocks))
+
+
+def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None) -> list[dict]:
+    """One row per node of the chosen graphs of `package` (a formats Package) for `arch`."""
+    from grace.formats import archs as arch_rules
+    from grace.formats.view import for_arch
+    from grace.runtime import occupancy
+
+    if arch not in SM_LIMITS:
+        raise ResourceError(f"no multiprocessor limits recorded for {arch} "
+                            f"(known: {', '.join(SM_LIMITS)})")
+    limits = SM_LIMITS[arch]
+    sms = sm_count or arch_rules.sm_count(arch)
+    view = for_arch(package.view, arch)
+    tool = tool or find_cuobjdump()
+    usage = {}
+    for k, kernel in enumerate(view.kernels):
+        section = kernel.binaries.get(arch)
+        if section is not None:
+            usage[k] = cubin_usage(bytes(package.section(section)), tool).get(kernel.name, {})
+    shared_limits = occupancy.SharedLimits(sms, limits["shared"], limits["reserved"],
+                                           limits["shared"] - limits["reserved"])
+    pdl = arch_rules.supports_pdl(arch)
+    rows = []
+    for graph in view.graphs:
+        if graph_names and graph.name not in graph_names:
+            continue
+        launched = []   # per node: (regs, warps, shared as launched, grid size)
+        for j, node in enumerate(graph.nodes):
+            kernel = view.kernels[node.kernel]
+            use = usage.get(node.kernel, {})
+            regs, blocks = use.get("REG", 0), math.prod(node.grid)
+            shared = kernel.shared
+            if pdl and node.programmatic:   # the runtime's one-wave cap (runtime/occupancy.py)
+                shared = occupancy.one_wave_shared(blocks, shared, shared_limits)
+            launched.append((regs, kernel.num_warps, shared, blocks))
+            alone = programs_per_sm(regs, kernel.num_warps, shared, limits)
+            beside = None
+            if node.programmatic:
+                pr, pw, ps, pb = launched[max(node.programmatic)]
+                n = min(math.ceil(pb / sms), programs_per_sm(pr, pw, ps, limits))
+                taken = (n * math.ceil(max(pr, 1) * 32 / REG_UNIT) * REG_UNIT * pw, n * 32 * pw,
+                         n * (ps + limits["reserved"]), n)
+                beside = programs_per_sm(regs, kernel.num_warps, shared, limits, taken)
+            rows.append({"graph": graph.name, "node": j, "label": node.label or "",
+                         "kernel": kernel.name, "family": kernel.family, "grid": list(node.grid),
+                         "warps": kernel.num_warps, "regs": regs, "stack": use.get("STACK", 0),
+                         "local": use.get("LOCAL", 0), "shared": shared,
+                         "alone": alone, "beside": beside,
+                         "after": max(node.programmatic) if node.programmatic else None})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines, graph = [], None
+    for r in rows:
+        if r["graph"] != graph:
+            graph = r["graph"]
+            lines.append(f"graph {graph}")
+            lines.append(f"  {'node':>4}  {'label':30} {'kernel':26} {'grid':>15} {'warps':>5} "
+                         f"{'regs':>4} {'stack':>5} {'shared':>7} {'alone':>5} {'beside':>6}")
+        grid = "x".join(str(g) for g in r["grid"])
+        beside = "-" if r["beside"] is None else f"{r['beside']}"
+        flag = "  <- stack" if r["stack"] else ""
+        lines.append(f"  {r['node']:>4}  {r['label'][:30]:30} {r['kernel'][:26]:26} {grid:>15} "
+                     f"{r['warps']:>5} {r['regs']:>4} {r['stack']:>5} {r['shared']:>7} "
+                     f"{r['alone']:>5} {beside:>6}{flag}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("package", type=Path, help="a .grace file")
+    ap.add_argument("--graph", action="append", metavar="NAME",
+                    help="only this graph (repeatable; default: every graph), e.g. seq=1")
+    ap.add_argument("--arch", help="which binaries (default: the package's first arch)")
+    ap.add_argument("--sm-count", type=int, help="multiprocessors (default: the arch's part)")
+    ap.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON")
+    a = ap.parse_args(argv)
+    from grace.formats import read_package
+    try:
+        package = read_package(a.package, verify=False)
+        arch = a.arch or package.view.archs[0]
+        rows = node_rows(package, arch, set(a.graph or ()), a.sm_count)
+    except (ResourceError, ValueError, OSError) as e:
+        print(f"kernel_resources: {e}", file=sys.stderr)
+        return 1
+    if a.graph and not rows:
+        print(f"kernel_resources: no graph named {', '.join(a.graph)} "
+              f"(the package's: {', '.join(g.name for g in package.view.graphs)})", file=sys.stderr)
+        return 1
+    print(format_rows(rows))
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

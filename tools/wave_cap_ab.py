@@ -1,0 +1,96 @@
+"""A/B of the runtime's one-wave cap (runtime/occupancy.py) on a Llama decode: one package, loaded
+three ways in one process, generate() timed per token (bench_decode's paired loops), twice round.
+
+    python3 -m grace.tools.wave_cap_ab --shape 1b --out cap-ab-1b.json     (a GPU machine)
+
+  cap        the runtime as it is: every programmatic-edge target launched one wave wide
+  nocap      no cap: every node with the kernel's own shared memory
+  cap>2/SM   the cap only on grids of more than two programs per multiprocessor
+
+Why: the cap makes a node's programs big in shared memory so its grid spreads over the chip, and
+that also decides which of them fit beside the programs of the node before (what programmatic
+dependent launch overlaps). It was chosen on encoders and an early decode graph (seventh
+session); this times it on today's decode graphs without recompiling. The package is compiled on
+the machine that runs it, as bench_decode does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+MODES = ("cap", "nocap", "cap>2/SM")
+
+
+def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: int = 2,
+        workdir: Path = Path("/tmp")) -> dict:
+    import torch
+    from torch.export import Dim
+
+    import grace.aot
+    from grace.runtime import load, occupancy
+    from grace.tools import bench_decode as bench
+
+    max_seq = 2048
+    model = bench._model(shape, max_seq)
+    path = workdir / f"wave-cap-{shape}.grace"
+    t = Dim("seq", min=1, max=1024)
+    grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                      output=path, progress=False,
+                      dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                      buckets={"seq": [1, 1024]},
+                      generate={"tokens": "idx", "positions": "input_pos"})
+    prompt = torch.randint(0, bench.SHAPES[shape]["vocab"], (pos,),
+                           generator=torch.Generator().manual_seed(1)).numpy()
+    capped = occupancy.cap_programmatic
+
+    def big_grids_only(plans, limits):
+        return [c if c.grid[0] * c.grid[1] * c.grid[2] > 2 * limits.sm_count else p
+                for c, p in zip(capped(plans, limits), plans)]
+
+    modes = {"cap": capped, "nocap": lambda plans, limits: list(plans),
+             "cap>2/SM": big_grids_only}
+    res = {"shape": shape, "pos": pos, "steps": steps, "modes": {}}
+    try:
+        for _ in range(rounds):
+            for name in MODES:
+                occupancy.cap_programmatic = modes[name]
+                pkg = load(path, instantiate="eager")
+                sess = pkg.session()
+                sess.generate(prompt, 4)   # warm
+
+                def timed(n):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    sess.generate(prompt, n)
+                    return time.perf_counter() - t0
+
+                ms, prefill, each = bench.generate_ms_per_token(timed, steps, pos, max_seq, pairs)
+                res["modes"].setdefault(name, []).append(
+                    {"ms_per_token": ms, "prefill_ms": prefill, "pairs": each})
+                print(f"{name:10s} generate() {ms:.4f} ms/token  pairs "
+                      f"{[round(p, 3) for p in each]}  prefill {prefill:.1f} ms", flush=True)
+                sess.close()
+                pkg.close()
+    finally:
+        occupancy.cap_programmatic = capped
+        path.unlink(missing_ok=True)
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=("1b", "8b", "tiny"), default="1b")
+    ap.add_argument("--pos", type=int, default=1000, help="prompt length (default 1000)")
+    ap.add_argument("--rounds", type=int, default=2, help="times each mode is loaded and timed")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--out", type=Path, help="write the figures as JSON")
+    a = ap.parse_args(argv)
+    res = run(a.shape, pos=a.pos, rounds=a.rounds, workdir=a.workdir)
+    if a.out:
+        a.out.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
