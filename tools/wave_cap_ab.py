@@ -6,6 +6,9 @@ three ways in one process, generate() timed per token (bench_decode's paired loo
   cap        the runtime as it is: every programmatic-edge target launched one wave wide
   nocap      no cap: every node with the kernel's own shared memory
   cap>2/SM   the cap only on grids of more than two programs per multiprocessor
+  cap-attn   the cap but on the attention and its combine (their programs may then start beside
+             the capped GEMV before them)
+  cap-small  the cap but on grids of at most 32 programs (means, combines, split-K sums)
 
 Why: the cap makes a node's programs big in shared memory so its grid spreads over the chip, and
 that also decides which of them fit beside the programs of the node before (what programmatic
@@ -20,15 +23,35 @@ import json
 import time
 from pathlib import Path
 
-MODES = ("cap", "nocap", "cap>2/SM")
+MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small")
+
+
+def cap_rules(capped, families: list) -> dict:
+    """{mode: a stand-in for occupancy.cap_programmatic(plans, limits)}: `capped` is the
+    runtime's; `families` the package's kernel families by kernel index."""
+    def cap_unless(uncapped):
+        """The cap on every node but those `uncapped(plan, limits)` picks."""
+        def cap(plans, limits):
+            return [p if uncapped(p, limits) else c for c, p in zip(capped(plans, limits), plans)]
+        return cap
+
+    def blocks(plan):
+        return plan.grid[0] * plan.grid[1] * plan.grid[2]
+
+    return {"cap": capped, "nocap": lambda plans, limits: list(plans),
+            "cap>2/SM": cap_unless(lambda p, lim: blocks(p) <= 2 * lim.sm_count),
+            "cap-attn": cap_unless(lambda p, lim: families[p.kernel] in ("attention",
+                                                                         "attn_combine")),
+            "cap-small": cap_unless(lambda p, lim: blocks(p) <= 32)}
 
 
 def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: int = 2,
-        workdir: Path = Path("/tmp")) -> dict:
+        workdir: Path = Path("/tmp"), modes=MODES) -> dict:
     import torch
     from torch.export import Dim
 
     import grace.aot
+    from grace.formats import read_package
     from grace.runtime import load, occupancy
     from grace.tools import bench_decode as bench
 
@@ -44,18 +67,12 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
     prompt = torch.randint(0, bench.SHAPES[shape]["vocab"], (pos,),
                            generator=torch.Generator().manual_seed(1)).numpy()
     capped = occupancy.cap_programmatic
-
-    def big_grids_only(plans, limits):
-        return [c if c.grid[0] * c.grid[1] * c.grid[2] > 2 * limits.sm_count else p
-                for c, p in zip(capped(plans, limits), plans)]
-
-    modes = {"cap": capped, "nocap": lambda plans, limits: list(plans),
-             "cap>2/SM": big_grids_only}
+    rules = cap_rules(capped, [k.family for k in read_package(path, verify=False).view.kernels])
     res = {"shape": shape, "pos": pos, "steps": steps, "modes": {}}
     try:
         for _ in range(rounds):
-            for name in MODES:
-                occupancy.cap_programmatic = modes[name]
+            for name in modes:
+                occupancy.cap_programmatic = rules[name]
                 pkg = load(path, instantiate="eager")
                 sess = pkg.session()
                 sess.generate(prompt, 4)   # warm
@@ -80,14 +97,22 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=("1b", "8b", "tiny"), default="1b")
     ap.add_argument("--pos", type=int, default=1000, help="prompt length (default 1000)")
     ap.add_argument("--rounds", type=int, default=2, help="times each mode is loaded and timed")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated, of {', '.join(MODES)} (default: all)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
     a = ap.parse_args(argv)
-    res = run(a.shape, pos=a.pos, rounds=a.rounds, workdir=a.workdir)
+    modes = tuple(m for m in a.modes.split(",") if m)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        ap.error(f"--modes: unknown {unknown or 'none given'}; choose from {', '.join(MODES)}")
+    res = run(a.shape, pos=a.pos, rounds=a.rounds, workdir=a.workdir, modes=modes)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
 
