@@ -327,6 +327,9 @@ def test_wave_cap_ab_help_names_its_modes(capsys):
     with pytest.raises(SystemExit) as e:
         wave_cap_ab.main(["--modes", "cap,bogus"])
     assert e.value.code == 2 and "unknown ['bogus']" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        wave_cap_ab.main(["--variant", "no-colon"])
+    assert e.value.code == 2 and "expected NAME:module.CONSTANT=VALUE" in capsys.readouterr().err
 
 
 def test_wave_cap_rules_leave_the_chosen_nodes_uncapped():

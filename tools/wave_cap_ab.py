@@ -23,6 +23,8 @@ import json
 import time
 from pathlib import Path
 
+from grace.tools.variants import parse_variant
+
 MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small")
 
 
@@ -46,7 +48,8 @@ def cap_rules(capped, families: list) -> dict:
 
 
 def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: int = 2,
-        workdir: Path = Path("/tmp"), modes=MODES) -> dict:
+        workdir: Path = Path("/tmp"), modes=MODES, variant=None) -> dict:
+    """`variant`: a tools.variants.Variant the package is compiled with (None: the defaults)."""
     import torch
     from torch.export import Dim
 
@@ -54,21 +57,24 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
     from grace.formats import read_package
     from grace.runtime import load, occupancy
     from grace.tools import bench_decode as bench
+    from grace.tools.variants import applied
 
     max_seq = 2048
     model = bench._model(shape, max_seq)
     path = workdir / f"wave-cap-{shape}.grace"
     t = Dim("seq", min=1, max=1024)
-    grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
-                      output=path, progress=False,
-                      dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                      buckets={"seq": [1, 1024]},
-                      generate={"tokens": "idx", "positions": "input_pos"})
+    with applied(variant):
+        grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                          output=path, progress=False,
+                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                          buckets={"seq": [1, 1024]},
+                          generate={"tokens": "idx", "positions": "input_pos"})
     prompt = torch.randint(0, bench.SHAPES[shape]["vocab"], (pos,),
                            generator=torch.Generator().manual_seed(1)).numpy()
     capped = occupancy.cap_programmatic
     rules = cap_rules(capped, [k.family for k in read_package(path, verify=False).view.kernels])
-    res = {"shape": shape, "pos": pos, "steps": steps, "modes": {}}
+    res = {"shape": shape, "pos": pos, "steps": steps, "modes": {},
+           "variant": f"{variant.name}:{variant.describe()}" if variant else None}
     try:
         for _ in range(rounds):
             for name in modes:
@@ -105,6 +111,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="times each mode is loaded and timed")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated, of {', '.join(MODES)} (default: all)")
+    ap.add_argument("--variant", metavar="NAME:module.CONSTANT=VALUE,...",
+                    help="compile the package with these grace.aot constants (tools/variants.py), "
+                         "e.g. e4k:codegen.ATTN_SPLIT_BLOCK_ELEMS=4096")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
     a = ap.parse_args(argv)
@@ -112,7 +121,12 @@ def main(argv=None):
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         ap.error(f"--modes: unknown {unknown or 'none given'}; choose from {', '.join(MODES)}")
-    res = run(a.shape, pos=a.pos, rounds=a.rounds, workdir=a.workdir, modes=modes)
+    try:
+        variant = parse_variant(a.variant) if a.variant else None
+    except ValueError as e:
+        ap.error(str(e))
+    res = run(a.shape, pos=a.pos, rounds=a.rounds, workdir=a.workdir, modes=modes,
+              variant=variant)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
 
