@@ -83,3 +83,18 @@ def test_missing_cuobjdump_says_where_to_get_it(monkeypatch):
     monkeypatch.setattr(kr.shutil, "which", lambda name: None)
     with pytest.raises(kr.ResourceError, match="install triton"):
         kr.find_cuobjdump()
+
+
+def test_uncapped_families_keep_their_own_shared_memory(package):
+    """--uncapped FAMILY: those nodes counted as launched without the one-wave cap."""
+    pkg = read_package(package, verify=False)
+    capped = kr.node_rows(pkg, "sm_90")
+    spared = kr.node_rows(pkg, "sm_90", uncapped=("matmul",))
+    kernels = pkg.view.kernels
+    for c, s in zip(capped, spared):
+        if c["family"] == "matmul" and c["after"] is not None:
+            assert s["shared"] == kernels[pkg.view.graphs[0].nodes[s["node"]].kernel].shared
+            assert s["alone"] >= c["alone"] and s["beside"] >= c["beside"]
+        else:   # other nodes keep the cap (their "beside" may change with the node before)
+            assert s["shared"] == c["shared"] and s["alone"] == c["alone"]
+    assert any(c["family"] == "matmul" and c["after"] is not None for c in capped)

@@ -89,8 +89,11 @@ def programs_per_sm(regs: int, warps: int, shared: int, limits: dict, taken=None
                       limits["blocks"] - used_blocks))
 
 
-def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None) -> list[dict]:
-    """One row per node of the chosen graphs of `package` (a formats Package) for `arch`."""
+def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
+              uncapped=()) -> list[dict]:
+    """One row per node of the chosen graphs of `package` (a formats Package) for `arch`;
+    `uncapped`: kernel families launched without the one-wave cap (a what-if for a launch rule,
+    tools/wave_cap_ab.py times it)."""
     from grace.formats import archs as arch_rules
     from grace.formats.view import for_arch
     from grace.runtime import occupancy
@@ -120,7 +123,7 @@ def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None) ->
             use = usage.get(node.kernel, {})
             regs, blocks = use.get("REG", 0), math.prod(node.grid)
             shared = kernel.shared
-            if pdl and node.programmatic:   # the runtime's one-wave cap (runtime/occupancy.py)
+            if pdl and node.programmatic and kernel.family not in uncapped:   # the one-wave cap
                 shared = occupancy.one_wave_shared(blocks, shared, shared_limits)
             launched.append((regs, kernel.num_warps, shared, blocks))
             alone = programs_per_sm(regs, kernel.num_warps, shared, limits)
@@ -166,13 +169,17 @@ def main(argv=None) -> int:
                     help="only this graph (repeatable; default: every graph), e.g. seq=1")
     ap.add_argument("--arch", help="which binaries (default: the package's first arch)")
     ap.add_argument("--sm-count", type=int, help="multiprocessors (default: the arch's part)")
+    ap.add_argument("--uncapped", action="append", default=[], metavar="FAMILY",
+                    help="count nodes of this kernel family without the one-wave cap (repeatable; "
+                         "e.g. attention): what a launch rule that spares them would allow")
     ap.add_argument("--json", type=Path, metavar="FILE", help="also write the rows as JSON")
     a = ap.parse_args(argv)
     from grace.formats import read_package
     try:
         package = read_package(a.package, verify=False)
         arch = a.arch or package.view.archs[0]
-        rows = node_rows(package, arch, set(a.graph or ()), a.sm_count)
+        rows = node_rows(package, arch, set(a.graph or ()), a.sm_count,
+                         uncapped=tuple(a.uncapped))
     except (ResourceError, ValueError, OSError) as e:
         print(f"kernel_resources: {e}", file=sys.stderr)
         return 1
