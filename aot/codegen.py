@@ -1238,10 +1238,10 @@ ATTN_ONE_BLOCK_ELEMS = 16384
 ATTN_KV_BEFORE_WAIT = True
 ATTN_SPLIT_PROGRAMS_PER_SM = 4   # split keys while the programs stay within this many per SM
 # The largest key block (keys x head columns) of a split-KV decode program (one query tile):
-# fewer keys a step, and more splits, past it. A split decode program may load its key and value blocks before gdc_wait()
-# (ATTN_KV_BEFORE_WAIT) and holds both in registers beside the loop's own; ptxas (sm_90) gave
-# Llama-8B's 128 keys x 128 columns 255 registers and a 144-byte stack, Llama-1B's 128 x 64 182
-# registers, 64 x 128 178. At 255 a program shares no multiprocessor with two programs of the
+# fewer keys a step, and more splits, past it. Such a program may load its key and value blocks
+# before gdc_wait() (ATTN_KV_BEFORE_WAIT) and holds both in registers beside the loop's own; ptxas
+# (sm_90) gave Llama-8B's 128 keys x 128 columns 255 registers and a 144-byte stack, Llama-1B's
+# 128 x 64 182 registers, 64 x 128 178. At 255 a program shares no multiprocessor with two programs of the
 # persistent GEMV before it (66 registers x 256 threads each), so it could not load early at all.
 # H200, Llama-8B decode (docs/performance.md, twentieth session): with the KV blocks before the
 # wait, 16 splits of 128 keys 4249 us a token against 4175 without; 32 splits of 64 keys 4128.

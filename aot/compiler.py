@@ -371,7 +371,7 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
         kernels = fuse_norm.fold_into_norms(kernels)
     if st.options.fold_row_stats:
         kernels = fuse_stats.fold_row_stats(kernels)
-    if fuse_append.APPEND_AFTER_ATTENTION:   # with ATTN_KV_BEFORE_WAIT: 1B -2.3%, 8B -1.1% a token
+    if fuse_append.APPEND_AFTER_ATTENTION:   # with ATTN_KV_BEFORE_WAIT: 1B -2.5%, 8B -1.1% a token
         kernels = fuse_append.append_after_attention(kernels)
     kernels = memplan.drop_empty(kernels)
     if fuse_splitk.SPLIT_K_IN_KERNEL:   # off: correct on the H200, and slower (ViT-S +19%)

@@ -45,8 +45,9 @@ from .families import Attention, Scatter
 from .ir import Acc, DimMap, Index, Kernel, Load, Op, Reindex, contiguous_strides, loads, walk
 
 APPEND_AFTER_ATTENTION = True
-# The moved appends of an attention whose caches no later kernel reads go to the end of the
-# kernel list instead of right after it: the graph then issues every critical-path kernel before
+# The moved appends of an attention whose caches and inputs no later kernel touches (reads or
+# writes the caches, writes what the appends read) go to the end of the kernel list instead of
+# right after it: the graph then issues every critical-path kernel before
 # them (their edges are the same: the QKV projection's output and the attention's reads).
 APPENDS_LAST = False
 
@@ -177,7 +178,8 @@ def _rewrite(kernels: list[Kernel], ai: int) -> list[Kernel] | None:
     rest = [x for j, x in enumerate(kernels) if j not in appends]
     at = rest.index(att)
     after = rest[at + 1:]
-    if APPENDS_LAST and not any(_reads(x) & caches for x in after):
+    if APPENDS_LAST and not any(_reads(x) & caches or x.out.index in caches | inputs
+                                for x in after):
         return rest[:at] + [replace(att, spec=new_spec)] + after + moved
     return rest[:at] + [replace(att, spec=new_spec)] + moved + after
 

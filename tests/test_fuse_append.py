@@ -78,6 +78,20 @@ def _eager(model, idx, prompt=6, steps=3):
             ref.append(model(idx[:, p:p + 1], torch.tensor([p])).numpy())
     return ref
 
+def _same_decodes(on, off, idx, prompts, model=None):
+    """Two steps of decode after each prompt length (fewer at the cache's end): `on`'s logits
+    equal `off`'s bit for bit and, with `model`, eager's to 1e-5."""
+    for prompt in prompts:
+        steps = min(2, idx.shape[1] - prompt)
+        got = _decode(on, idx, prompt=prompt, steps=steps)
+        for g, w in zip(got, _decode(off, idx, prompt=prompt, steps=steps)):
+            np.testing.assert_array_equal(g, w)
+        if model is not None:
+            for g, r in zip(got, _eager(model, idx, prompt=prompt, steps=steps)):
+                err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
+                assert err < 1e-5, (prompt, err)
+
+
 
 def test_on_by_default(packages):
     """On by default (both knobs); off, the appends stay before the attention."""
@@ -156,13 +170,7 @@ def test_packed_grouped_heads(tmp_path):
         if f == "attention":
             assert fams[i + 1:i + 3] == ["scatter", "scatter"], fams
     idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(1))
-    for prompt in (6, 127, 254):
-        got = _decode(on, idx, prompt=prompt, steps=2)
-        for g, w in zip(got, _decode(off, idx, prompt=prompt, steps=2)):
-            np.testing.assert_array_equal(g, w)
-        for g, r in zip(got, _eager(model, idx, prompt=prompt, steps=2)):
-            err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
-            assert err < 1e-5, (prompt, err)
+    _same_decodes(on, off, idx, (6, 127, 254), model)
 
 
 KV_EARLY = parse_variant("kv:fuse_append.APPEND_AFTER_ATTENTION=True,"
@@ -196,11 +204,7 @@ def test_key_blocks_before_the_wait(tmp_path):
     pre = src[:src.index("gdc_wait()")]
     assert "kt_early = " in pre and "v_early = " in pre and "new_pos = " in pre
     idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(1))
-    for prompt in (6, 127, 128, 255):
-        steps = min(2, 256 - prompt)
-        got = _decode(on, idx, prompt=prompt, steps=steps)
-        for g, w in zip(got, _decode(off, idx, prompt=prompt, steps=steps)):
-            np.testing.assert_array_equal(g, w)
+    _same_decodes(on, off, idx, (6, 127, 128, 255))
 
     # the same early loads with the pass off (appends before the attention) are a race
     plain = read_package(off)
@@ -241,3 +245,28 @@ def test_appends_last_puts_them_at_the_end_and_changes_no_value(tmp_path, packag
     idx = torch.randint(0, 96, (1, MAX_SEQ), generator=torch.Generator().manual_seed(3))
     for g, w in zip(_decode(last, idx, prompt=7, steps=3), _decode(on, idx, prompt=7, steps=3)):
         np.testing.assert_array_equal(g, w)
+
+
+def test_capped_key_blocks_before_the_wait(tmp_path):
+    """codegen.ATTN_SPLIT_BLOCK_ELEMS: a split decode step whose key block would pass the cap
+    takes fewer keys a step and more splits (here 512 elements at head dimension 16: 32 keys,
+    where the uncapped plan takes 128), and with its KV blocks before gdc_wait() the decode is
+    bit for bit the same capped plan without either knob's (and eager's to 1e-5): the appended
+    position in the first block, at a block's first and last key, and in the last slot."""
+    from grace.aot import codegen
+    model = _model(4, 2, max_seq=256)   # dim 64 / 4 heads: head dimension 16
+    plan = codegen.attention_plan(1, 4, 1, 256, 132, rep=2, packable=True, d=16)
+    with applied(parse_variant("cap:codegen.ATTN_SPLIT_BLOCK_ELEMS=512")):
+        capped = codegen.attention_plan(1, 4, 1, 256, 132, rep=2, packable=True, d=16)
+        with applied(KV_EARLY):
+            on = _compile(model, tmp_path / "on.grace", True, max_seq=256, pdl=True)
+        off = _compile(model, tmp_path / "off.grace", False, max_seq=256, pdl=True)
+    assert (plan.bn, capped.bn) == (128, 32) and capped.split == 4 * plan.split
+    package = read_package(on)
+    assert races.check_races(package.manifest) == [] and races.check_pre_wait(package) == []
+    graph = next(g for g in package.manifest["graphs"] if g["name"] == "seq=1")
+    grids = [n["grid"] for n in graph["nodes"]
+             if package.manifest["kernels"][n["kernel"]]["family"] == "attention"]
+    assert grids and all(g[2] == capped.split for g in grids)
+    idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(2))
+    _same_decodes(on, off, idx, (5, 32, 63, 255), model)

@@ -21,7 +21,8 @@ def test_programs_per_sm_counts_registers_by_the_warp():
     registers, 8 warps) leave no room for a 4-warp attention program at 255 registers, and room
     for one at 178."""
     assert kr.programs_per_sm(255, 4, 1024, H200) == 2
-    gemv = 2 * (-(-66 * 32 // kr.REG_UNIT) * kr.REG_UNIT) * 8
+    gemv = 2 * kr.block_registers(66, 8)
+    assert gemv == 2 * 72 * 32 * 8   # 66 registers a thread are granted as 72
     taken = (gemv, 2 * 256, 2 * (1024 + H200["reserved"]), 2)
     assert kr.programs_per_sm(255, 4, 1024, H200, taken) == 0
     assert kr.programs_per_sm(178, 4, 1024, H200, taken) == 1

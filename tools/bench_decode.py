@@ -22,8 +22,9 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
 `--timeline` adds, for grace's package and each variant, the decode graph's time node by node
 (profile_kernels --timeline, as built), so an A/B shows where the time moved.
 Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes; generate() as
-above). The HBM fraction is the bytes a token must read (all weights but the embedding table, plus the K/V of the
-positions up to the current one) / time / 4.3 TB/s (the copy rate measured on the H200).
+above). The HBM fraction is the bytes a token must read (all weights but the embedding table,
+plus the K/V of the positions up to the current one) / time / 4.3 TB/s (the copy rate measured
+on the H200).
 grace's package is compiled on the machine that runs the benchmark (--workdir).
 """
 from __future__ import annotations

@@ -78,12 +78,16 @@ def cubin_usage(cubin: bytes, tool: str) -> dict:
             for name, fields in _USAGE.findall(done.stdout)}
 
 
+def block_registers(regs: int, warps: int) -> int:
+    """Registers one program holds: a thread's count, granted per warp in REG_UNIT steps."""
+    return math.ceil(max(regs, 1) * 32 / REG_UNIT) * REG_UNIT * warps
+
+
 def programs_per_sm(regs: int, warps: int, shared: int, limits: dict, taken=None) -> int:
     """Programs of a kernel that fit one multiprocessor; `taken` = (registers, threads, shared,
     blocks) already held there by other programs."""
     used_regs, used_threads, used_shared, used_blocks = taken or (0, 0, 0, 0)
-    block_regs = math.ceil(max(regs, 1) * 32 / REG_UNIT) * REG_UNIT * warps
-    return max(0, min((limits["regs"] - used_regs) // block_regs,
+    return max(0, min((limits["regs"] - used_regs) // block_registers(regs, warps),
                       (limits["threads"] - used_threads) // (32 * warps),
                       (limits["shared"] - used_shared) // (shared + limits["reserved"]),
                       limits["blocks"] - used_blocks))
@@ -131,8 +135,7 @@ def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
             if node.programmatic:
                 pr, pw, ps, pb = launched[max(node.programmatic)]
                 n = min(math.ceil(pb / sms), programs_per_sm(pr, pw, ps, limits))
-                taken = (n * math.ceil(max(pr, 1) * 32 / REG_UNIT) * REG_UNIT * pw, n * 32 * pw,
-                         n * (ps + limits["reserved"]), n)
+                taken = (n * block_registers(pr, pw), n * 32 * pw, n * (ps + limits["reserved"]), n)
                 beside = programs_per_sm(regs, kernel.num_warps, shared, limits, taken)
             rows.append({"graph": graph.name, "node": j, "label": node.label or "",
                          "kernel": kernel.name, "family": kernel.family, "grid": list(node.grid),
