@@ -704,19 +704,26 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     programs per SM (4 per SM, the best alone, made it 6% slower: the comment at
     GEMV_PERSISTENT_MIN_K). The loop has static bounds (Triton's interpreter runs these kernels
     on the CPU): a program whose last turn is past the last tile loads and stores nothing in it.
-    A dynamic K is masked at its extent."""
+    A dynamic K is masked at its extent.
+
+    `plan.split` (GEMV_PERSISTENT_SPLIT_MIN_K): K in `split` even chunks; program (i, z) holds
+    chunk z // batch of batch row z % batch and stores its partial sums at row z, which the
+    split-K reduction (lowering emits it) sums with the epilogue, as the template's split does."""
     spec = kernel.spec
-    n, k, batch = spec.n, spec.k, spec.batch
+    n, k, batch, split = spec.n, spec.k, spec.batch, plan.split
     bn, kp, programs = plan.bn, plan.bk, plan.programs
+    chunk = k // split
     ext = kernel.ext or (None, None, None)
     turns = cdiv(cdiv(n, bn), programs)
 
     # asked for where they are used: a dynamic extent comes from the table, which the code before
     # gdc_wait() must not read (Writer raises NotBeforeWait there, and the kernel is generated
-    # again without the early load)
+    # again without the early load). A chunk's mask is on the column within it (a constant bound:
+    # the loads stay 16-byte vectors); the dynamic extent's on the column in the whole row.
     def k_term():
-        return _and_terms(None if k == kp else f"(rk[None, :] < {k})",
-                          _dim_valid(w, spec.k_ext, "rk[None, :]"))
+        bound = None if chunk == kp else (f"(rc[None, :] < {chunk})" if split > 1 else
+                                          f"(rk[None, :] < {k})")
+        return _and_terms(bound, _dim_valid(w, spec.k_ext, "rk[None, :]"))
 
     def b_term():
         return _dim_valid(w, ext[0], "bz")
@@ -724,8 +731,13 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     early = w.prefetch and _weights_only(spec.b)
 
     def ids():
-        w.emit("bz = tl.program_id(1)")
-        w.emit(f"rk = tl.arange(0, {kp})")
+        if split > 1:
+            w.emit(f"bz = tl.program_id(1) % {batch}")
+            w.emit(f"rc = tl.arange(0, {kp})")
+            w.emit(f"rk = (tl.program_id(1) // {batch}) * {chunk} + rc")
+        else:
+            w.emit("bz = tl.program_id(1)")
+            w.emit(f"rk = tl.arange(0, {kp})")
         w.emit(f"rn_next = tl.program_id(0) * {bn} + tl.arange(0, {bn})")
         w.emit(f"zero_b = tl.zeros([{bn}, {kp}], tl.int32)")
 
@@ -751,6 +763,10 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     mask = _mask(w, "mask_a", k_term(), b_term())
     ctx = Ctx(w, (batch, 1, k), ["bz", "zero_a", "rk[None, :]"], mask=mask, zero="zero_a")
     w.emit(f"a = {_masked(ExprEmitter(w).value(spec.a, ctx), mask)}.to(tl.float32)")
+    # where the sums go: the output row, or with split-K the partial row [split * batch, 1, n]
+    out_z, out_rows = ("bz", batch) if split == 1 else ("bo", batch * split)
+    if split > 1:
+        w.emit("bo = tl.program_id(1)")
     w.emit(f"for turn in range(0, {turns}):")
     w.indent += 1
     w.emit(f"rn = (tl.program_id(0) + turn * {programs}) * {bn} + tl.arange(0, {bn})")
@@ -761,11 +777,11 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
            "acc_n = tl.sum(b * a, axis=1)")
     mask = _mask(w, "mask", f"(rn < {n})", _dim_valid(w, ext[2], "rn"), b_term())
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
-    ctx = Ctx(w, (batch, 1, n), ["bz", "zero", "rn"], linear=f"(bz * {n} + rn)", mask=mask,
-              zero="zero")
+    ctx = Ctx(w, (out_rows, 1, n), [out_z, "zero", "rn"], linear=f"({out_z} * {n} + rn)",
+              mask=mask, zero="zero")
     _store(w, kernel, ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx), ctx, f"[{bn}]")
     w.indent -= 1
-    return (programs, batch, 1), plan.warps or GEMV_PERSISTENT_WARPS, 1
+    return (programs, batch * split, 1), plan.warps or GEMV_PERSISTENT_WARPS, 1
 
 
 def _row_stat(w: Writer, spec):
@@ -921,7 +937,13 @@ GEMV_TILE = 4096   # weight elements per program per K step (rows = GEMV_TILE //
 # (2 per SM: 0.973 -> 1.134 ms/token, 2026-12-03), so the template keeps those.
 GEMV_PERSISTENT_MIN_K = 2049
 GEMV_PERSISTENT_MAX_K = 4096
-GEMV_PERSISTENT_ROWS = 2
+# 4 rows a tile, not 2: a program holds one tile in flight while it sums the one before, so at
+# 2 programs per SM the rows set the bytes in flight per SM (2 x 16 KiB at 2 rows), and that
+# bounded the 8B's big GEMVs at ~4.0 TB/s. At 4 rows (32 KiB a tile, 105 registers a thread: two
+# programs still fit an SM) the 8B decode token took 4.081 ms against 4.182 (generate(), one
+# process; gate+up 4.0 -> 4.2 TB/s, the head 4.2 -> 4.5; docs/performance.md, 2026-12-04
+# twenty-first session). 8 rows (184 registers) leave one program an SM.
+GEMV_PERSISTENT_ROWS = 4
 GEMV_PERSISTENT_PER_SM = 2
 GEMV_PERSISTENT_WARPS = 8
 # Keep the weight tiles in flight in their stored dtype and widen them at the multiply: half the
@@ -936,6 +958,15 @@ GEMV_PERSISTENT_CAST_LATE = False
 # docs/performance.md, 2026-12-03). Split 4 ways there: 0.972 -> 0.920 ms/token alone, 0.869 with
 # the shared residual stream and packed GQA heads (bench_decode --variant, 2026-12-03).
 GEMV_SPLIT_MIN_K = 8192
+# The persistent form for a K past GEMV_PERSISTENT_MAX_K (from this K; 0: off): K split in the
+# fewest power-of-two chunks of at most GEMV_PERSISTENT_MAX_K columns, each chunk's programs
+# holding their chunk of the row and walking the weight tiles of it; the float32 partial rows are
+# summed by the split-K reduction. For Llama-3-8B's down projection (K 14336: 4 chunks of 3584),
+# which the template streams at ~4.0 TB/s in the decode graph where the persistent gate+up before
+# it reaches 4.2. Timed on the H200 (bench_decode --variant, 2026-12-04): the 8B's down 943 -> 916
+# µs a token, its 4 partial rows' sums 36 -> 51; generate() 4.062 -> 4.058 ms/token, Llama-1B
+# 0.799 -> 0.805. Off until its sums go (into the RMSNorm that reads them).
+GEMV_PERSISTENT_SPLIT_MIN_K = 0
 GEMV_SPLIT_PER_SM = 16
 GEMV_LONG_K = 0         # past this K: GEMV_LONG_TILE tiles, GEMV_LONG_AHEAD steps ahead; 0: off
 GEMV_LONG_TILE = (4, 512)
@@ -943,7 +974,7 @@ GEMV_LONG_AHEAD = 1
 
 
 def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
-              measured: Tile | None = None) -> GemmPlan:
+              measured: Tile | None = None, split_k: bool = True) -> GemmPlan:
     """Tiles for a batch-1-sized GEMM on a part with `sm_count` multiprocessors (a grid smaller
     than that leaves some idle). `measured`: the GPU's measured tile for this shape (M >= 128,
     gemm_tiles.measured_tile), taken as it is, with its split-K factor (it was timed so). One row of
@@ -951,18 +982,25 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
     is. Otherwise the largest output tile that still gives every multiprocessor a program; a K
     step as deep as ~32 KiB of operands per pipeline stage allows (few, deep iterations hide load
     latency); and split-K when even the smallest tiles leave most of the chip idle and K is
-    deep."""
+    deep. `split_k` False (a dynamic batch or K: no partial sums over them): no split-K."""
     if measured is not None:
         bk = min(measured.bk, max(16, next_pow2(k)))
-        split = measured.split if measured.split > 1 and k // measured.split >= bk else 1
+        split = measured.split if split_k and measured.split > 1 and k // measured.split >= bk else 1
         return GemmPlan(min(measured.bm, max(16, next_pow2(m))),
                         min(measured.bn, max(32, next_pow2(n))), bk, split,
                         warps=measured.warps, stages=measured.stages)
     if m == 1:
-        if GEMV_PERSISTENT_MIN_K <= k <= GEMV_PERSISTENT_MAX_K:
+        split = 1
+        if split_k and GEMV_PERSISTENT_SPLIT_MIN_K and k >= max(GEMV_PERSISTENT_SPLIT_MIN_K,
+                                                                GEMV_PERSISTENT_MAX_K + 1):
+            split = 2
+            while k % split == 0 and k // split > GEMV_PERSISTENT_MAX_K:
+                split *= 2
+        if GEMV_PERSISTENT_MIN_K <= k <= GEMV_PERSISTENT_MAX_K or (
+                split > 1 and k % split == 0 and k // split <= GEMV_PERSISTENT_MAX_K):
             bn = GEMV_PERSISTENT_ROWS
-            programs = min(cdiv(n, bn), max(1, GEMV_PERSISTENT_PER_SM * sm_count // batch))
-            return GemmPlan(1, bn, next_pow2(k), 1, gemv=True, programs=programs)
+            programs = min(cdiv(n, bn), max(1, GEMV_PERSISTENT_PER_SM * sm_count // (batch * split)))
+            return GemmPlan(1, bn, next_pow2(k // split), split, gemv=True, programs=programs)
         bk = min(GEMV_BK, max(16, next_pow2(k)))
         bn = min(max(2, GEMV_TILE // bk), max(2, next_pow2(n)))
         ahead = 0
@@ -971,7 +1009,7 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
             ahead = GEMV_LONG_AHEAD
         if cdiv(n, bn) * batch >= sm_count // 2 or k <= 8192:
             split = 1
-            if GEMV_SPLIT_MIN_K and k >= GEMV_SPLIT_MIN_K and not ahead:
+            if split_k and GEMV_SPLIT_MIN_K and k >= GEMV_SPLIT_MIN_K and not ahead:
                 while (cdiv(n, bn) * batch * split * 2 <= GEMV_SPLIT_PER_SM * sm_count
                        and k % (split * 2 * bk) == 0):
                     split *= 2
@@ -991,7 +1029,7 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
     bk = max(16, min(bk, 256, next_pow2(k)))
     programs = cdiv(m, bm) * cdiv(n, bn) * batch
     split = 1
-    while programs * split * 2 <= 2 * sm_count and k // (split * 2) >= 4 * bk:
+    while split_k and programs * split * 2 <= 2 * sm_count and k // (split * 2) >= 4 * bk:
         split *= 2
     return GemmPlan(bm, bn, bk, split)
 

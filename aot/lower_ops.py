@@ -661,10 +661,10 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None, meta=None) -> TV:
     low = {a.dtype, b.dtype} & {"float16", "bfloat16"}   # dots in half precision (_dot_dtype)
     kind = gemm_tiles.operand_kind("bfloat16" if low else "float32", L.options["fp32_matmul"])
     measured = gemm_tiles.measured_tile(L.options.get("tile_table"), kind, m, n, k)
-    plan = gemm_plan(m, n, k, batch, 2 if low else 4, L.options["sm_count"], measured)
+    # no partial sums over a dynamic batch or K
+    split_k = a.dim_ext(0) is None and a.dim_ext(2) is None
+    plan = gemm_plan(m, n, k, batch, 2 if low else 4, L.options["sm_count"], measured, split_k)
     ext = (a.dim_ext(0), a.dim_ext(1), b.dim_ext(2))
-    if a.dim_ext(0) is not None or a.dim_ext(2) is not None:
-        plan = dataclasses.replace(plan, split=1)   # no partial sums over a dynamic batch or K
     spec = Matmul(a=a.expr, b=b.expr, m=m, n=n, k=k, batch=batch,
                   fp32_precision=L.options["fp32_matmul"], plan=plan,
                   k_ext=a.dim_ext(2) if a.dim_ext(2) is not None else b.dim_ext(1))

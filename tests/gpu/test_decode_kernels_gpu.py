@@ -101,14 +101,20 @@ class MlpStep(torch.nn.Module):
         return self.out(self.mid(x))
 
 
+@pytest.mark.parametrize("form", ["long-row", "persistent-split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, monkeypatch):
+def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
     """Each GEMV form behind programmatic edges, 100 calls with fresh inputs in a NaN-poisoned
     session (a race shows up as a rare mismatch), against fp64 (fp32) or torch's bf16. The
-    long-row form is off by default (the comment at codegen.GEMV_PERSISTENT_MIN_K): turned on
-    here as a variant would."""
+    down projection (K 5000) takes a form that is off by default, turned on here as a variant
+    would: the long-row form (the comment at codegen.GEMV_PERSISTENT_MIN_K), or the persistent
+    form over 2 K chunks of 2500 whose partial rows a reduction sums
+    (codegen.GEMV_PERSISTENT_SPLIT_MIN_K)."""
     from grace.aot import codegen
-    monkeypatch.setattr(codegen, "GEMV_LONG_K", 4096)
+    if form == "long-row":
+        monkeypatch.setattr(codegen, "GEMV_LONG_K", 4096)
+    else:
+        monkeypatch.setattr(codegen, "GEMV_PERSISTENT_SPLIT_MIN_K", 4097)
     torch.manual_seed(0)
     model = MlpStep().eval()
     with torch.no_grad():
@@ -123,6 +129,8 @@ def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, monkeypatch):
     sources = "\n".join(bytes(pkg.section(k["source"])).decode()
                         for k in pkg.manifest["kernels"] if k["family"] == "matmul")
     assert "for turn in range(" in sources and "b = b_next" in sources
+    if form == "persistent-split":
+        assert "rk = (tl.program_id(1) // 1) * 2500 + rc" in sources
     gpu_model, model64 = copy.deepcopy(model).cuda(), copy.deepcopy(model).double()
     pkg = load(path)
     sess = pkg.session(poison=True)
