@@ -761,8 +761,14 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
         weights()
     w.emit(f"zero_a = tl.zeros([1, {kp}], tl.int32)")
     mask = _mask(w, "mask_a", k_term(), b_term())
+    if spec.stat is not None:
+        _row_stat_whole(w, spec, mask)
     ctx = Ctx(w, (batch, 1, k), ["bz", "zero_a", "rk[None, :]"], mask=mask, zero="zero_a")
-    w.emit(f"a = {_masked(ExprEmitter(w).value(spec.a, ctx), mask)}.to(tl.float32)")
+    w.emit(f"a = {_masked(ExprEmitter(w, acc='stat').value(spec.a, ctx), mask)}.to(tl.float32)")
+    scale = None   # the statistic factored out of the row (fuse_stats._factor) scales the sums
+    if spec.stat_scale is not None:
+        scale = ExprEmitter(w, acc="stat").value(spec.stat_scale, Ctx(w, ()))
+        w.emit(f"scale = {scale}")
     # where the sums go: the output row, or with split-K the partial row [split * batch, 1, n]
     out_z, out_rows = ("bz", batch) if split == 1 else ("bo", batch * split)
     if split > 1:
@@ -775,6 +781,8 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     weights()
     w.emit("acc_n = tl.sum(b.to(tl.float32) * a, axis=1)" if GEMV_PERSISTENT_CAST_LATE else
            "acc_n = tl.sum(b * a, axis=1)")
+    if scale is not None:
+        w.emit("acc_n = acc_n * scale")
     mask = _mask(w, "mask", f"(rn < {n})", _dim_valid(w, ext[2], "rn"), b_term())
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
     ctx = Ctx(w, (out_rows, 1, n), [out_z, "zero", "rn"], linear=f"({out_z} * {n} + rn)",
@@ -782,6 +790,21 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     _store(w, kernel, ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx), ctx, f"[{bn}]")
     w.indent -= 1
     return (programs, batch * split, 1), plan.warps or GEMV_PERSISTENT_WARPS, 1
+
+
+def _row_stat_whole(w: Writer, spec, mask: str):
+    """The persistent GEMV's row statistic (fuse_stats.py) into `stat`: the row is one tile of
+    `rk` columns, so the statistic is one block reduction over the elements the program loads
+    for its row anyway (fuse_stats._gemv_reader folds here only along K, batch 1: the stat's one
+    long dimension is the row's). Its loads go in parallel with the row's, after the wait."""
+    init = REDUCE_INIT[spec.stat_op]
+    dims = ["rk[None, :]" if size != 1 else "zero_a" for size in spec.stat_shape]
+    value = ExprEmitter(w).value(spec.stat, Ctx(w, spec.stat_shape, dims, mask=mask,
+                                                zero="zero_a"))
+    value = f"{value}.to(tl.float32)"
+    if mask != "None":
+        value = f"tl.where({mask}, {value}, {init})"
+    w.emit(f"stat = {REDUCE_FN[spec.stat_op]}({value})")
 
 
 def _row_stat(w: Writer, spec):

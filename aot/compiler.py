@@ -371,6 +371,8 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
         kernels = fuse_norm.fold_into_norms(kernels)
     if st.options.fold_row_stats:
         kernels = fuse_stats.fold_row_stats(kernels)
+    elif fuse_stats.FOLD_INTO_PERSISTENT:
+        kernels = fuse_stats.fold_row_stats(kernels, template=False)
     if fuse_append.APPEND_AFTER_ATTENTION:   # with ATTN_KV_BEFORE_WAIT: 1B -2.5%, 8B -1.1% a token
         kernels = fuse_append.append_after_attention(kernels)
     kernels = memplan.drop_empty(kernels)

@@ -38,6 +38,10 @@ from .fuse import substitute
 from .ir import Acc, Const, Kernel, Load, Op, SymValue, loads, numel, walk
 
 STAT_OPS = ("sum", "max", "min")
+# Without the fold_row_stats option: fold into persistent GEMVs alone (codegen._gemv_persistent),
+# whose programs hold the whole row anyway, so the statistic is one block reduction over loads
+# already made, not a pass.
+FOLD_INTO_PERSISTENT = False
 STAT_MAX_COLS = 16384   # the largest row a GEMV program re-reduces (a 16K hidden size: 32 KiB)
 
 
@@ -115,9 +119,9 @@ def _foldable(red: Kernel) -> bool:
     return numel(spec.src_shape) <= STAT_MAX_COLS
 
 
-def _gemv_reader(red: Kernel, kernels: list[Kernel], i: int) -> int | None:
+def _gemv_reader(red: Kernel, kernels: list[Kernel], i: int, template: bool) -> int | None:
     """The index of the one kernel after `i` that reads `red.out`, when it is a GEMV that reads it
-    in its row operand alone; else None."""
+    in its row operand alone (a persistent one, or with `template` any unsplit one); else None."""
     readers = [j for j, k in enumerate(kernels) if any(b.index == red.out.index for b in k.reads())]
     if len(readers) != 1 or readers[0] <= i:
         return None
@@ -126,8 +130,13 @@ def _gemv_reader(red: Kernel, kernels: list[Kernel], i: int) -> int | None:
     spec = g.spec
     if not isinstance(spec, Matmul) or not spec.plan.gemv or spec.stat is not None:
         return None
-    if spec.plan.programs or spec.plan.split > 1:
-        return None   # the persistent GEMV has no stat pass; a split one sees part of the row
+    if spec.plan.split > 1:
+        return None   # a split one sees part of the row
+    if not spec.plan.programs and not template:
+        return None
+    if spec.plan.programs and not _along_k(replace(spec, stat_shape=tuple(red.spec.src_shape),
+                                                   stat_rdims=tuple(red.spec.rdims))):
+        return None   # the persistent GEMV reduces the statistic over the one row it holds
     if any(ld.buf.index == red.out.index for e in (g.epilogue, spec.b) for ld in loads(e)):
         return None
     if not _reads_plainly(spec.a, red.out):
@@ -138,14 +147,15 @@ def _gemv_reader(red: Kernel, kernels: list[Kernel], i: int) -> int | None:
     return j
 
 
-def fold_row_stats(kernels: list[Kernel]) -> list[Kernel]:
+def fold_row_stats(kernels: list[Kernel], template: bool = True) -> list[Kernel]:
     """The kernels with every foldable one-row reduction moved into the GEMV that reads it, as a
-    new list (`kernels` and its kernels unchanged)."""
+    new list (`kernels` and its kernels unchanged); `template` False: into persistent GEMVs
+    only (FOLD_INTO_PERSISTENT)."""
     kernels = list(kernels)
     i = 0
     while i < len(kernels):
         red = kernels[i]
-        j = _gemv_reader(red, kernels, i) if _foldable(red) else None
+        j = _gemv_reader(red, kernels, i, template) if _foldable(red) else None
         if j is None:
             i += 1
             continue

@@ -113,14 +113,44 @@ def test_a_statistic_with_another_reader_keeps_its_kernel(tmp_path):
     assert "reduction" in _kernels(path)
 
 
-def test_a_persistent_gemv_keeps_the_reduction(tmp_path):
-    """K 3000: the persistent GEMV (codegen._gemv_persistent) has no statistic pass, so the
-    RMSNorm keeps its kernel under fold_row_stats and the result is unchanged."""
+@pytest.mark.parametrize("model, x", [
+    (NormProj, torch.randn(1, 3000) * 3),
+    (AmaxProj, torch.randn(1, 3000)),   # a max statistic, K masked in its 4096 tile
+    (CenterProj, torch.randn(1, 3000) + 2),   # no product: the row reads the statistic
+])
+def test_a_persistent_gemv_reduces_the_row_it_holds(tmp_path, model, x):
+    """K 3000: the persistent GEMV (codegen._gemv_persistent) reduces the statistic over the row
+    every program holds whole, one block reduction; the product form scales the sums."""
     torch.manual_seed(5)
-    path = _check(NormProj(3000, 24), {"x": torch.randn(1, 3000)}, tmp_path, tol=1e-5,
-                  fold_row_stats=True)
+    path = _check(model(3000, 24), {"x": x}, tmp_path, tol=1e-5, fold_row_stats=True)
+    assert _kernels(path) == ["table_writer", "matmul"]
+    src = _gemv_source(path)
+    assert "for turn in range(" in src and "for s0 in" not in src
+    assert ("acc_n = acc_n * scale" in src) == (model is not CenterProj)
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e17, 0.5])
+def test_a_persistent_gemv_statistic_of_tiny_huge_and_half_rows(tmp_path, scale):
+    """Squares that underflow, or sum to ~1e37 (near float32's top: 2500 squares of 1e18 overflow
+    it in eager float32 too), and ±0.5 exactly."""
+    torch.manual_seed(7)
+    x = torch.randn(1, 2500) * scale if scale != 0.5 else \
+        torch.where(torch.rand(1, 2500) < 0.5, -0.5, 0.5)
+    path = _check(NormProj(2500, 9), {"x": x}, tmp_path, tol=1e-5, fold_row_stats=True)
+    assert _kernels(path) == ["table_writer", "matmul"]
+
+
+def test_fold_into_persistent_alone(tmp_path, monkeypatch):
+    """FOLD_INTO_PERSISTENT without the option: the K-3000 GEMV (persistent) takes the RMSNorm,
+    the K-2048 one (the template) keeps its reduction."""
+    from grace.aot import fuse_stats
+    monkeypatch.setattr(fuse_stats, "FOLD_INTO_PERSISTENT", True)
+    torch.manual_seed(5)
+    path = _check(NormProj(3000, 24), {"x": torch.randn(1, 3000)}, tmp_path, tol=1e-5)
+    assert _kernels(path) == ["table_writer", "matmul"]
+    (tmp_path / "t").mkdir()
+    path = _check(NormProj(2048, 24), {"x": torch.randn(1, 2048)}, tmp_path / "t", tol=1e-5)
     assert _kernels(path) == ["table_writer", "reduction", "matmul"]
-    assert "for turn in range(" in _gemv_source(path)
 
 
 def test_rows_of_a_gemm_keep_the_reduction(tmp_path):
@@ -130,16 +160,24 @@ def test_rows_of_a_gemm_keep_the_reduction(tmp_path):
     assert "reduction" in _kernels(path)
 
 
-def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path):
+@pytest.mark.parametrize("form", ["template", "persistent"])
+def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path, monkeypatch, form):
     """The Llama decode step (RMSNorms before the q/k/v and gate/up GEMVs and the LM head, a KV
     cache written between them): its decode graph has no reduction kernel left, and prefill plus
-    decode steps through the CPU reference executor match eager (fp32)."""
+    decode steps through the CPU reference executor match eager (fp32). `persistent`: every GEMV
+    in the persistent form (its K range lowered to this model's), the fold by default there."""
     import numpy as np
     from torch.export import Dim
 
+    from grace.aot import codegen, fuse_stats
     from grace.tools.interpret import InterpretSession
     from grace.tools.models import CachedLlama
 
+    options = {"fold_row_stats": True}
+    if form == "persistent":
+        monkeypatch.setattr(codegen, "GEMV_PERSISTENT_MIN_K", 33)
+        monkeypatch.setattr(fuse_stats, "FOLD_INTO_PERSISTENT", True)
+        options = {}
     torch.manual_seed(0)
     model = CachedLlama(vocab=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=96,
                         max_seq=32).eval()
@@ -147,7 +185,7 @@ def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path):
     path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
                          output=tmp_path / "lm.grace", progress=False, fp32_matmul="ieee",
                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                         buckets={"seq": [1, 32]}, fold_row_stats=True)
+                         buckets={"seq": [1, 32]}, **options)
     m = read_package(path).manifest
     decode = next(g for g in m["graphs"] if g["name"] == "seq=1")
     assert "reduction" not in {m["kernels"][n["kernel"]]["family"] for n in decode["nodes"]}
@@ -156,6 +194,7 @@ def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path):
              for n in decode["nodes"] if m["kernels"][n["kernel"]]["family"] == "matmul"]
     in_loop = [src for src in gemvs if "acc_n = acc_n * " in src]
     assert len(in_loop) == 5   # q/k/v and gate/up of both layers, and the LM head
+    assert all(("for turn in range(" in src) == (form == "persistent") for src in gemvs)
     idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
     sess = InterpretSession(path)
     got = [sess.run({"idx": idx[:, :6].numpy(), "input_pos": np.arange(6)})["out"]]
