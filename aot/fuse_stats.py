@@ -17,12 +17,16 @@ Llama layer. Here the reduction moves into the GEMV: every GEMV program reduces 
 - Before the K loop, otherwise: a pass over the row (in L2; each program reads it once more),
   and the row operand reads the value as `Acc` where it read the reduction's one-element buffer.
 
+Into a persistent GEMV (codegen._gemv_persistent, K 2049-4096) the fold is on by default
+(FOLD_INTO_PERSISTENT): its programs hold the whole row, so the statistic is one block reduction
+over loads they make anyway, in parallel with the row's, and the mean's boundary goes.
+
 Measured (H200, Llama-1B decode, docs/performance.md, eighth session), the pre-pass form: 166 ->
 133 kernels per token, but 3.7% slower with 4-row GEMV tiles (0.968 -> 1.005 ms) and 5% with
 2-row ones: the pass is a serial L2 round trip at the head of every program, and the one-block
 reduction it replaced overlapped with the GEMV's weight prefetch under PDL anyway. The in-loop
-form (which an RMSNorm in that decoder takes) was built after that run and is not measured yet.
-Hence opt-in.
+form (which an RMSNorm in that decoder takes) was built after that run; it measured the same
+per token (0.976 against 0.980 ms, ninth session). Hence opt-in for the template.
 
 When: the reduction has one row (one output element), a fixed number of columns, an epilogue of
 arithmetic on its value alone (no loads: it is re-evaluated at the GEMV's indices), an arena
@@ -40,8 +44,10 @@ from .ir import Acc, Const, Kernel, Load, Op, SymValue, loads, numel, walk
 STAT_OPS = ("sum", "max", "min")
 # Without the fold_row_stats option: fold into persistent GEMVs alone (codegen._gemv_persistent),
 # whose programs hold the whole row anyway, so the statistic is one block reduction over loads
-# already made, not a pass.
-FOLD_INTO_PERSISTENT = False
+# already made, not a pass. Llama-3-8B decode (its q/k/v, gate+up and head GEMVs are persistent;
+# 65 means a token), on an H100 (bench_decode --variant, 2026-12-05): generate() 5.466 -> 5.339
+# ms/token, GPU span 5423.8 -> 5324.6 µs (docs/performance.md, twenty-second session).
+FOLD_INTO_PERSISTENT = True
 STAT_MAX_COLS = 16384   # the largest row a GEMV program re-reduces (a 16K hidden size: 32 KiB)
 
 

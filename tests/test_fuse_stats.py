@@ -1,4 +1,5 @@
-"""A one-row reduction folded into the GEMV that reads it (aot/fuse_stats.py, `fold_row_stats`):
+"""A one-row reduction folded into the GEMV that reads it (aot/fuse_stats.py, `fold_row_stats`, and
+by default into persistent GEMVs):
 an RMSNorm or an amax scaling in front of a linear layer is one kernel in a decode step, and its
 results through the CPU reference executor still match torch in fp64 (ragged rows, a masked last
 block, max as well as sum). Where the reduction has another reader, or the product is not a GEMV,
@@ -140,14 +141,16 @@ def test_a_persistent_gemv_statistic_of_tiny_huge_and_half_rows(tmp_path, scale)
     assert _kernels(path) == ["table_writer", "matmul"]
 
 
-def test_fold_into_persistent_alone(tmp_path, monkeypatch):
-    """FOLD_INTO_PERSISTENT without the option: the K-3000 GEMV (persistent) takes the RMSNorm,
-    the K-2048 one (the template) keeps its reduction."""
+@pytest.mark.parametrize("on", [True, False])
+def test_fold_into_persistent_by_default(tmp_path, monkeypatch, on):
+    """Without the option: the K-3000 GEMV (persistent) takes the RMSNorm (FOLD_INTO_PERSISTENT,
+    on by default), the K-2048 one (the template) keeps its reduction."""
     from grace.aot import fuse_stats
-    monkeypatch.setattr(fuse_stats, "FOLD_INTO_PERSISTENT", True)
+    if not on:
+        monkeypatch.setattr(fuse_stats, "FOLD_INTO_PERSISTENT", False)
     torch.manual_seed(5)
     path = _check(NormProj(3000, 24), {"x": torch.randn(1, 3000)}, tmp_path, tol=1e-5)
-    assert _kernels(path) == ["table_writer", "matmul"]
+    assert _kernels(path) == ["table_writer"] + ([] if on else ["reduction"]) + ["matmul"]
     (tmp_path / "t").mkdir()
     path = _check(NormProj(2048, 24), {"x": torch.randn(1, 2048)}, tmp_path / "t", tol=1e-5)
     assert _kernels(path) == ["table_writer", "reduction", "matmul"]
@@ -169,14 +172,13 @@ def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path, monkeypat
     import numpy as np
     from torch.export import Dim
 
-    from grace.aot import codegen, fuse_stats
+    from grace.aot import codegen
     from grace.tools.interpret import InterpretSession
     from grace.tools.models import CachedLlama
 
     options = {"fold_row_stats": True}
     if form == "persistent":
         monkeypatch.setattr(codegen, "GEMV_PERSISTENT_MIN_K", 33)
-        monkeypatch.setattr(fuse_stats, "FOLD_INTO_PERSISTENT", True)
         options = {}
     torch.manual_seed(0)
     model = CachedLlama(vocab=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=96,
