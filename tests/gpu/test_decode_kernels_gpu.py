@@ -82,7 +82,8 @@ def test_split_kv_attention_and_gemv(tmp_path, dtype):
 
 class MlpStep(torch.nn.Module):
     """A decode step's MLP at Llama-3-8B's width: RMSNorm, gate and up projections of K 4096
-    (the persistent GEMV, codegen._gemv_persistent), SwiGLU, a down projection of K 5000 (past
+    (the persistent GEMV, codegen._gemv_persistent, which reduces the RMSNorm's mean itself:
+    fuse_stats.FOLD_INTO_PERSISTENT), SwiGLU, a down projection of K 5000 (past
     GEMV_LONG_K: tiles with the next K step ahead, the last step ragged), the residual, then a
     projection of K 3000 (persistent, one masked tile of 4096 columns)."""
 
@@ -129,6 +130,7 @@ def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
     sources = "\n".join(bytes(pkg.section(k["source"])).decode()
                         for k in pkg.manifest["kernels"] if k["family"] == "matmul")
     assert "for turn in range(" in sources and "b = b_next" in sources
+    assert "stat = tl.sum(" in sources   # the RMSNorm's mean inside gate+up (FOLD_INTO_PERSISTENT)
     if form == "persistent-split":
         assert "rk = (tl.program_id(1) // 1) * 2500 + rc" in sources
     gpu_model, model64 = copy.deepcopy(model).cuda(), copy.deepcopy(model).double()
