@@ -14,6 +14,7 @@ from grace.aot import compile as grace_compile  # noqa: E402
 
 from grace.formats import read_package  # noqa: E402
 
+from test_fuse_append import _decode, _eager  # noqa: E402
 from test_gemv_interpret import _check, _kernels  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -173,7 +174,6 @@ def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path, monkeypat
     from torch.export import Dim
 
     from grace.aot import codegen
-    from grace.tools.interpret import InterpretSession
     from grace.tools.models import CachedLlama
 
     options = {"fold_row_stats": True}
@@ -198,15 +198,7 @@ def test_a_cached_decoder_with_folded_norms_decodes_as_eager(tmp_path, monkeypat
     assert len(in_loop) == 5   # q/k/v and gate/up of both layers, and the LM head
     assert all(("for turn in range(" in src) == (form == "persistent") for src in gemvs)
     idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
-    sess = InterpretSession(path)
-    got = [sess.run({"idx": idx[:, :6].numpy(), "input_pos": np.arange(6)})["out"]]
-    for p in range(6, 9):
-        got.append(sess.run({"idx": idx[:, p:p + 1].numpy(), "input_pos": np.array([p])})["out"])
-    with torch.no_grad():
-        model.reset_cache()
-        ref = [model(idx[:, :6], torch.arange(6)).numpy()]
-        for p in range(6, 9):
-            ref.append(model(idx[:, p:p + 1], torch.tensor([p])).numpy())
+    got, ref = _decode(path, idx), _eager(model, idx)
     for g, r in zip(got, ref):
         err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
         assert err < 1e-5, err

@@ -7,7 +7,6 @@ in the same order) and match eager. Where something other than a GEMV reads the 
 output), the reduction stays."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,6 +14,8 @@ torch = pytest.importorskip("torch")
 from grace.aot import codegen, fuse_sums  # noqa: E402
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.formats import read_package  # noqa: E402
+
+from test_fuse_append import _same_decodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -44,16 +45,6 @@ def _decoder(tmp_path, name):
     return model, path
 
 
-def _decode(path, idx):
-    from grace.tools.interpret import InterpretSession
-
-    sess = InterpretSession(path)
-    got = [sess.run({"idx": idx[:, :6].numpy(), "input_pos": np.arange(6)})["out"]]
-    for p in range(6, 9):
-        got.append(sess.run({"idx": idx[:, p:p + 1].numpy(), "input_pos": np.array([p])})["out"])
-    return [np.asarray(g, np.float64) for g in got]
-
-
 def _decode_families(path):
     m = read_package(path).manifest
     decode = next(g for g in m["graphs"] if g["name"] == "seq=1")
@@ -73,16 +64,7 @@ def test_decoder_sums_in_its_gemvs(tmp_path, monkeypatch, persistent_small):
     assert len(taken) == 2 and any("mm_6+add" in label for _, label in after)
 
     idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
-    got, ref_pkg = _decode(inlined, idx), _decode(plain, idx)
-    for g, r in zip(got, ref_pkg):
-        assert np.array_equal(g, r)   # the same adds, in the same order
-    with torch.no_grad():
-        model.reset_cache()
-        ref = [model(idx[:, :6], torch.arange(6)).numpy()]
-        for p in range(6, 9):
-            ref.append(model(idx[:, p:p + 1], torch.tensor([p])).numpy())
-    for g, r in zip(got, ref):
-        assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1e-5
+    _same_decodes(inlined, plain, idx, prompts=[6], model=model)   # the same adds, same order
 
 
 class SumsAlsoOut(torch.nn.Module):
