@@ -624,12 +624,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         b = "b" if ahead else ready.get("b") or operand("b", kk)
         w.emit(f"acc += {b} * {a}")
         if in_loop:   # the row statistic from the elements this step walks (fuse_stats.py)
-            dims = ["rk[None, :]" if size != 1 else "zero_a" for size in spec.stat_shape]
             mask = "None" if even_k else _mask(w, "mask_s", f"(rk[None, :] < {k})")
-            v = ExprEmitter(w).value(spec.stat, Ctx(w, spec.stat_shape, dims, mask=mask,
-                                                    zero="zero_a"))
-            v = f"{v}.to(tl.float32)" if mask == "None" else \
-                f"tl.where({mask}, {v}.to(tl.float32), {init})"
+            v = _stat_elements(w, spec, mask)
             w.emit("s_acc = " + REDUCE_COMBINE[spec.stat_op].format(acc="s_acc", v=v))
 
     def first_weights():   # ahead: the first K step's weight tile, before the loop
@@ -797,14 +793,17 @@ def _row_stat_whole(w: Writer, spec, mask: str):
     `rk` columns, so the statistic is one block reduction over the elements the program loads
     for its row anyway (fuse_stats._gemv_reader folds here only along K, batch 1: the stat's one
     long dimension is the row's). Its loads go in parallel with the row's, after the wait."""
-    init = REDUCE_INIT[spec.stat_op]
+    w.emit(f"stat = {REDUCE_FN[spec.stat_op]}({_stat_elements(w, spec, mask)})")
+
+
+def _stat_elements(w: Writer, spec, mask: str) -> str:
+    """The row statistic's elements at the row's columns `rk` (its one long dimension is K:
+    fuse_stats._along_k), in float32, the reduction's identity where `mask` is off."""
     dims = ["rk[None, :]" if size != 1 else "zero_a" for size in spec.stat_shape]
     value = ExprEmitter(w).value(spec.stat, Ctx(w, spec.stat_shape, dims, mask=mask,
                                                 zero="zero_a"))
     value = f"{value}.to(tl.float32)"
-    if mask != "None":
-        value = f"tl.where({mask}, {value}, {init})"
-    w.emit(f"stat = {REDUCE_FN[spec.stat_op]}({value})")
+    return value if mask == "None" else f"tl.where({mask}, {value}, {REDUCE_INIT[spec.stat_op]})"
 
 
 def _row_stat(w: Writer, spec):
@@ -1008,7 +1007,8 @@ def gemm_plan(m: int, n: int, k: int, batch: int, itemsize: int, sm_count: int,
     deep. `split_k` False (a dynamic batch or K: no partial sums over them): no split-K."""
     if measured is not None:
         bk = min(measured.bk, max(16, next_pow2(k)))
-        split = measured.split if split_k and measured.split > 1 and k // measured.split >= bk else 1
+        split = measured.split if (split_k and measured.split > 1
+                                   and k // measured.split >= bk) else 1
         return GemmPlan(min(measured.bm, max(16, next_pow2(m))),
                         min(measured.bn, max(32, next_pow2(n))), bk, split,
                         warps=measured.warps, stages=measured.stages)

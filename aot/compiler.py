@@ -364,8 +364,8 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
 def _fuse(b: BucketState, st: CompileState) -> BucketState:
     """fuse: epilogue fusion, split-K sums added by the LayerNorm that reads them (fuse_norm);
     one-row statistics into the persistent GEMVs (with fold_row_stats, any GEMV) that read
-    them (fuse_stats); with fuse_sums.INLINE_SPLIT_SUMS, split-K sums read only by GEMVs added by them;
-    with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention;
+    them (fuse_stats); with fuse_sums.INLINE_SPLIT_SUMS, split-K sums read only by GEMVs added
+    by them; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention;
     with fuse_splitk.SPLIT_K_IN_KERNEL, split-K matmuls summing their own splits), then the
     kernels with nothing to do dropped."""
     kernels = fuse.fuse_epilogues(b.program.kernels)

@@ -79,14 +79,9 @@ def _fold(kernels: list[Kernel], j: int) -> tuple[int, Kernel] | None:
         if i is None:
             continue
         red = kernels[i]
-        total = _split_sum(red)
-        if total is None or not _may_move(kernels, i, j, red, x, norm, shape, ext):
+        value = stored_split_sum(red)
+        if value is None or not _may_move(kernels, i, j, red, x, norm, shape, ext):
             continue
-        value = substitute_acc(red.epilogue, total)
-        if any(isinstance(node, Acc) for node in walk(value)):
-            continue   # the reduction's value sits under a reindexing: not a pointwise epilogue
-        if value.dtype != x.dtype:   # the sum as the reduction stored it (rounded to x's dtype)
-            value = Op("cast", [value], x.dtype)
         value = reshape(value, red.out_shape, shape)
         src = substitute(norm.spec.src, x, value)
         later = any(x.index == b.index for k in kernels[j + 1:] for b in k.reads())
@@ -100,6 +95,21 @@ def _writer(kernels: list[Kernel], j: int, x) -> int | None:
     """The kernel before `j` that writes `x`, if it is the only one that does."""
     writers = [i for i, k in enumerate(kernels[:j]) if any(b.index == x.index for b in k.writes())]
     return writers[0] if len(writers) == 1 else None
+
+
+def stored_split_sum(red: Kernel):
+    """What the split-K reduction `red` stores, as an expression over its output index (the
+    partial sums' total through its epilogue, rounded to its output's dtype), or None when it
+    is not one (_split_sum) or its epilogue reindexes the sum (not pointwise)."""
+    total = _split_sum(red)
+    if total is None:
+        return None
+    value = substitute_acc(red.epilogue, total)
+    if any(isinstance(node, Acc) for node in walk(value)):
+        return None
+    if value.dtype != red.out.dtype:
+        value = Op("cast", [value], red.out.dtype)
+    return value
 
 
 def _split_sum(red: Kernel):

@@ -21,8 +21,8 @@ from dataclasses import replace
 
 from .families import Matmul
 from .fuse import _joined, substitute
-from .fuse_norm import _split_sum, _static, substitute_acc
-from .ir import Acc, Kernel, Op, identity_load, loads, numel, only_ops_above, walk
+from .fuse_norm import _static, stored_split_sum
+from .ir import Kernel, identity_load, loads, numel, only_ops_above
 from .views import reshape
 
 INLINE_SPLIT_SUMS = False
@@ -45,15 +45,10 @@ def inline_split_sums(kernels: list[Kernel]) -> list[Kernel]:
 def _inline(kernels: list[Kernel], i: int) -> list[Kernel] | None:
     """kernels[i + 1:] with kernels[i]'s sums in its readers, or None when it does not qualify."""
     red = kernels[i]
-    total = _split_sum(red)
+    value = stored_split_sum(red)
     x = red.out
-    if total is None or x.kind != "arena" or x.dynamic or not _static(red.ext):
+    if value is None or x.kind != "arena" or x.dynamic or not _static(red.ext):
         return None
-    value = substitute_acc(red.epilogue, total)
-    if any(isinstance(node, Acc) for node in walk(value)):
-        return None   # the reduction's value sits under a reindexing
-    if value.dtype != x.dtype:   # the sum as the reduction stored it (rounded to x's dtype)
-        value = Op("cast", [value], x.dtype)
     later = kernels[i + 1:]
     readers = [j for j, k in enumerate(later) if any(b.index == x.index for b in k.reads())]
     if not readers:
