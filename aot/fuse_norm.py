@@ -107,7 +107,9 @@ def stored_split_sum(red: Kernel):
     value = substitute_acc(red.epilogue, total)
     if any(isinstance(node, Acc) for node in walk(value)):
         return None
-    if value.dtype != red.out.dtype:
+    # a half-precision value is computed in float32 (codegen_expr) and rounded where it is
+    # stored: a reader that adds the sums itself rounds them through the stored type too
+    if value.dtype != red.out.dtype or red.out.dtype in ("float16", "bfloat16"):
         value = Op("cast", [value], red.out.dtype)
     return value
 

@@ -7,6 +7,7 @@ in the same order) and match eager. Where something other than a GEMV reads the 
 output), the reduction stays."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -15,6 +16,7 @@ from grace.aot import codegen, fuse_sums  # noqa: E402
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.formats import read_package  # noqa: E402
 
+from test_buckets_interpret import run_cases  # noqa: E402
 from test_fuse_append import _same_decodes  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -89,3 +91,40 @@ def test_sums_with_another_reader_keep_their_kernel(tmp_path, monkeypatch, persi
                          fp32_matmul="ieee")
     m = read_package(path).manifest
     assert "reduction" in {k["family"] for k in m["kernels"]}
+
+
+class SumsIntoProj(torch.nn.Module):
+    """A split GEMV's sums plus a residual (a weight here), read by one GEMV alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.r = torch.nn.Parameter(torch.randn(64) * 300)   # sums that round coarsely in fp16
+        self.down = torch.nn.Linear(96, 64, bias=False)
+        self.proj = torch.nn.Linear(64, 40, bias=False)
+
+    def forward(self, x):
+        return self.proj(self.r + self.down(x))
+
+
+def test_half_precision_sums_are_rounded_as_stored(tmp_path, monkeypatch, persistent_small):
+    """fp16: the GEMV adds the float32 partial rows and rounds their sum through fp16, as the
+    reduction stored it (fuse_norm.stored_split_sum; the residual add stays in the GEMV's row, as
+    in the package with the reduction): bit for bit that package."""
+    from test_gemv_interpret import _check_half, _kernels
+
+    torch.manual_seed(4)
+    model = SumsIntoProj()
+    (tmp_path / "off").mkdir()
+    plain = _check_half(model, 96, tmp_path / "off")
+    monkeypatch.setattr(fuse_sums, "INLINE_SPLIT_SUMS", True)
+    inlined = _check_half(model, 96, tmp_path)
+    assert _kernels(plain) == ["table_writer", "matmul", "reduction", "matmul"]
+    assert _kernels(inlined) == ["table_writer", "matmul", "matmul"]
+    x = {"x": torch.randn(1, 96).half().numpy()}
+    got = run_cases(inlined, {"r": x}, tmp_path)["r"]["out"]
+    want = run_cases(plain, {"r": x}, tmp_path / "off")["r"]["out"]
+    np.testing.assert_array_equal(got, want)
+    pkg = read_package(inlined)
+    proj = bytes(pkg.section(pkg.manifest["kernels"][-1]["source"])).decode()
+    row = proj.split("gdc_wait()")[1].split("for turn")[0]
+    assert "t6 = t5.to(tl.float16).to(tl.float32)" in row and "t7 = x2 + t6" in row
