@@ -25,6 +25,9 @@ from .fuse_norm import _static, stored_split_sum
 from .ir import Kernel, identity_load, loads, numel, only_ops_above
 from .views import reshape
 
+# Off: timed on an H100 (docs/performance.md, 2026-12-05, twenty-third session; one process,
+# bench_decode --shape 8b --variant sums:...): generate() 5.332 -> 5.350 ms/token at the median,
+# run() 5.385 -> 5.381, 32 kernels a token fewer. Not yet timed on an H200.
 INLINE_SPLIT_SUMS = False
 
 
