@@ -295,6 +295,8 @@ def reduction(kernel: Kernel, w: Writer):
     if not acc_t.startswith("float") and op != "sum":
         init = "-9223372036854775807" if op == "max" else "9223372036854775807"
     tl_acc = TL_TYPE[acc_t]
+    if spec.row is not None:
+        return _reduction_with_row(kernel, w, op, init, tl_acc)
     if _unrolled_rows(kernel) and spec.keep is None:
         return _unrolled_reduction(kernel, w, op, init, tl_acc)
     rows, cols, br, ctx = _row_blocks(
@@ -307,6 +309,33 @@ def reduction(kernel: Kernel, w: Writer):
     w.indent -= 1
     w.emit(f"red = {REDUCE_FN[op]}(acc, axis=1)")
     return _store_rows(w, kernel, rows, br)
+
+
+def _reduction_with_row(kernel: Kernel, w: Writer, op: str, init: str, tl_acc: str):
+    """One program, the whole row in one block (aot/fuse_rows.py): the source and the row's
+    factors free of the value (x and the norm's weight) are loaded together, so storing the
+    normalised row after the reduction adds arithmetic, not another trip to memory."""
+    spec = kernel.spec
+    cols = numel(spec.src_shape)
+    bn = next_pow2(max(cols, 2))
+    w.emit(f"cols = tl.arange(0, {bn})[None, :]")
+    w.emit(f"mask = cols < {cols}")
+    w.emit(f"zero = tl.zeros([1, {bn}], tl.int32)")
+    src_ctx = Ctx(w, spec.src_shape, linear="cols", mask="mask", zero="zero")
+    row_ctx = Ctx(w, spec.row_shape, linear="cols", mask="mask", zero="zero")
+    value = ExprEmitter(w).value(spec.src, src_ctx)
+    free = ExprEmitter(w).value(spec.row_value, row_ctx) if spec.row_scale is not None else None
+    w.emit(f"acc = tl.where(mask, {value}.to({tl_acc}), {init})")
+    w.emit(f"red = {REDUCE_FN[op]}(acc, axis=1)")
+    launch = _store_rows(w, kernel, 1, 1)
+    w.emit("stat = red[:, None]")
+    if free is None:   # the row reads the value inside (not a product)
+        row = ExprEmitter(w, acc="stat").value(spec.row_value, row_ctx)
+    else:
+        scale = ExprEmitter(w, acc="stat").value(spec.row_scale, row_ctx)
+        row = f"{free}.to(tl.float32) * {scale}"
+    w.emit(f"tl.store({w.ptr(spec.row)} + cols, ({row}).to({TL_TYPE[spec.row.dtype]}), mask=mask)")
+    return launch
 
 
 def _store_kept(w: Writer, spec, emitter: ExprEmitter, ctx: Ctx, cols: int):

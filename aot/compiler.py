@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace as dc_replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +29,8 @@ import torch
 
 from grace.formats import archs as arch_rules
 
-from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_norm, fuse_splitk, fuse_stats, fuse_sums, gemm_tiles, generation, lower, manifest, memplan,
+from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_norm, fuse_rows,
+               fuse_splitk, fuse_stats, fuse_sums, gemm_tiles, generation, lower, manifest, memplan,
                verify_ir, versions)
 from .check import relocate
 
@@ -365,7 +366,8 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
     """fuse: epilogue fusion, split-K sums added by the LayerNorm that reads them (fuse_norm);
     one-row statistics into the persistent GEMVs (with fold_row_stats, any GEMV) that read
     them (fuse_stats); with fuse_sums.INLINE_SPLIT_SUMS, split-K sums read only by GEMVs added
-    by them; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention;
+    by them; with fuse_rows.STORE_GEMV_ROWS, a template GEMV's normalised row stored by the
+    mean's kernel; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention;
     with fuse_splitk.SPLIT_K_IN_KERNEL, split-K matmuls summing their own splits), then the
     kernels with nothing to do dropped."""
     kernels = fuse.fuse_epilogues(b.program.kernels)
@@ -377,6 +379,9 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
         kernels = fuse_stats.fold_row_stats(kernels, template=False)
     if fuse_sums.INLINE_SPLIT_SUMS:
         kernels = fuse_sums.inline_split_sums(kernels)
+    if fuse_rows.STORE_GEMV_ROWS:   # off: not yet timed in a decode graph
+        kernels, index = fuse_rows.store_gemv_rows(kernels, b.program.next_index)
+        b.program = dc_replace(b.program, next_index=index)
     if fuse_append.APPEND_AFTER_ATTENTION:   # with ATTN_KV_BEFORE_WAIT: 1B -2.5%, 8B -1.1% a token
         kernels = fuse_append.append_after_attention(kernels)
     kernels = memplan.drop_empty(kernels)

@@ -80,9 +80,18 @@ class Reduction(SourceSpec):
     # adds the split-K sum of the residual stream it reads, and keeps that sum)
     keep: Buffer | None = None
     kept: Expr | None = None
+    # A GEMV's row, stored once the value is known (aot/fuse_rows.py: an RMSNorm's normalised
+    # row, which the GEMV's programs would otherwise recompute every K step): `row_value` over
+    # `row_shape` (the GEMV's [batch, 1, K]) times `row_scale` (its `Acc`: the reduced value; None
+    # when row_value itself reads it as `Acc`) into `row`, contiguous. One output element only.
+    row: Buffer | None = None
+    row_value: Expr | None = None
+    row_scale: Expr | None = None
+    row_shape: tuple[int, ...] = ()
 
     def index_spaces(self, out_shape):
-        return {"src": tuple(self.src_shape), "kept": tuple(self.src_shape)}
+        return {"src": tuple(self.src_shape), "kept": tuple(self.src_shape),
+                "row_value": tuple(self.row_shape), "row_scale": tuple(self.row_shape)}
 
     def shape_problems(self, out_shape):
         problems = _keep_problems(self, self.src_shape)
@@ -90,10 +99,18 @@ class Reduction(SourceSpec):
         if self.keep is not None and tuple(self.rdims) != tuple(range(n - len(self.rdims), n)):
             problems.append(f"keeps its source but reduces {list(self.rdims)} of "
                             f"{list(self.src_shape)}, not its last dimensions")
+        if (self.row is None) != (self.row_value is None):
+            problems.append("row and row_value go together (a buffer and the value stored in it)")
+        if self.row is not None:
+            if numel(out_shape) != 1 or self.keep is not None:
+                problems.append("stores a row but reduces to more than one value, or keeps one")
+            if numel(self.row.shape) != numel(self.row_shape) or not self.row_shape:
+                problems.append(f"stores a row of {list(self.row_shape)} into "
+                                f"{self.row.name} ({list(self.row.shape)})")
         return problems
 
     def extra_writes(self):
-        return [self.keep] if self.keep is not None else []
+        return [b for b in (self.keep, self.row) if b is not None]
 
 
 def _keep_problems(spec, shape) -> list[str]:

@@ -1,0 +1,59 @@
+"""Stage `fuse`, after the row statistics (off: `STORE_GEMV_ROWS`): an RMSNorm's mean kernel also
+stores the normalised row, and the GEMV behind it streams a plain vector.
+
+In a decode step a template GEMV (codegen._gemv: K walked in steps, a few weight rows a program)
+reads its row operand as an expression, an RMSNorm's x * rsqrt(mean + eps) * w, which every
+program recomputes for each K step: two extra vector loads beside the weights' and the mean's.
+Realized as kernels of their own (a probe, twenty-fourth session, H100, Llama-1B: docs/
+performance.md) the GEMVs got ~40 µs a token faster with a plain row (gate+up 23.3 -> 22.1 µs,
+down 11.8 -> 10.8, qkv 4.2 -> 3.9), but the 49 added kernel boundaries cost 50. Here the row is
+stored by the kernel that already exists: the mean's one-program reduction (codegen.
+_reduction_with_row) loads x and w together, reduces, and stores the row, bf16 as eager's
+RMSNorm output (the GEMV used to multiply the unrounded float32 row).
+
+When: a one-output reduction (a fixed row of at most MAX_COLS elements, an epilogue of arithmetic
+on its value) whose only reader is a GEMV reading it in its row operand alone, under pointwise ops
+(fuse_stats._gemv_reader's conditions, with the template allowed); the row operand's elements
+are the reduction's columns in order (one batch row). Persistent GEMVs fold the mean instead
+(fuse_stats.FOLD_INTO_PERSISTENT runs first and takes them). Not yet timed in a decode graph.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .families import Matmul
+from .fuse import substitute
+from .fuse_stats import _factor, _foldable, _gemv_reader
+from .ir import Buffer, Kernel, Load, Op, contiguous_strides, numel
+
+STORE_GEMV_ROWS = False
+MAX_COLS = 4096   # one block of the row in the reduction's registers
+
+
+def store_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel], int]:
+    """(the kernels with every such reduction storing its GEMV's row, the program's next buffer
+    index after the row buffers made here); `kernels` unchanged."""
+    kernels = list(kernels)
+    for i, red in enumerate(kernels):
+        if not _foldable(red) or numel(red.spec.src_shape) > MAX_COLS or red.spec.keep is not None:
+            continue
+        j = _gemv_reader(red, kernels, i, template=True)
+        if j is None:
+            continue
+        g = kernels[j]
+        spec = g.spec
+        shape = (spec.batch, spec.m, spec.k)
+        if not isinstance(spec, Matmul) or spec.batch != 1 or spec.m != 1 \
+                or spec.k != numel(red.spec.src_shape) or spec.plan.programs:
+            continue
+        stored = red.epilogue if red.epilogue.dtype == red.out.dtype \
+            else Op("cast", [red.epilogue], red.out.dtype)
+        a = substitute(spec.a, red.out, stored)   # its `Acc`: the reduction's raw value
+        factored = _factor(a)
+        row = Buffer(f"row{next_index}", "arena", spec.a.dtype, shape, next_index)
+        next_index += 1
+        value, scale = factored if factored is not None else (a, None)
+        kernels[i] = replace(red, spec=replace(red.spec, row=row, row_value=value,
+                                               row_scale=scale, row_shape=shape))
+        kernels[j] = replace(g, spec=replace(spec, a=Load(row, 0, contiguous_strides(shape))))
+    return kernels, next_index

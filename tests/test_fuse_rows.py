@@ -1,0 +1,95 @@
+"""A template GEMV's normalised row stored by the RMSNorm's mean kernel (aot/fuse_rows.py,
+STORE_GEMV_ROWS): the GEMV then reads a plain vector, and results through the CPU reference
+executor still match torch in fp64 (a product row and one that is not, a masked block, edge
+values); a decode graph keeps its kernel count and decodes as eager."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from grace.aot import fuse_rows  # noqa: E402
+from grace.formats import read_package  # noqa: E402
+
+from test_fuse_append import _decode, _eager  # noqa: E402
+from test_fuse_stats import CenterProj, NormProj, NormTwice  # noqa: E402
+from test_gemv_interpret import _check, _kernels  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _sources(path, family):
+    pkg = read_package(path)
+    return [bytes(pkg.section(k["source"])).decode() for k in pkg.manifest["kernels"]
+            if k["family"] == family]
+
+
+@pytest.fixture
+def rows_on(monkeypatch):
+    monkeypatch.setattr(fuse_rows, "STORE_GEMV_ROWS", True)
+
+
+@pytest.mark.parametrize("k", [300, 2048])
+def test_the_mean_kernel_stores_the_rms_norm_row(tmp_path, rows_on, k):
+    torch.manual_seed(0)
+    path = _check(NormProj(k, 37), {"x": torch.randn(1, k) * 3}, tmp_path, tol=1e-5)
+    assert _kernels(path) == ["table_writer", "reduction", "matmul"]
+    red, = _sources(path, "reduction")
+    gemv, = _sources(path, "matmul")
+    assert "stat = red[:, None]" in red and red.count("tl.store(") == 2
+    assert "rsqrt" not in gemv and "rsqrt" in red   # the GEMV streams a plain row
+
+
+def test_a_row_that_is_no_product_reads_the_value(tmp_path, rows_on):
+    torch.manual_seed(4)
+    path = _check(CenterProj(1500, 12), {"x": torch.randn(1, 1500) + 2}, tmp_path, tol=1e-5)
+    red, = _sources(path, "reduction")
+    assert "stat = red[:, None]" in red
+
+
+@pytest.mark.parametrize("k, scale", [(1, 1.0), (64, 1e-20), (64, 1e18), (33, 0.5)])
+def test_edge_rows(tmp_path, rows_on, k, scale):
+    torch.manual_seed(6)
+    x = torch.randn(1, k) * scale if scale != 0.5 else torch.where(torch.rand(1, k) < 0.5, -0.5, 0.5)
+    _check(NormProj(k, 9), {"x": x}, tmp_path, tol=1e-5)
+
+
+def test_off_by_default_and_with_another_reader(tmp_path, rows_on, monkeypatch):
+    from grace.aot import compile as grace_compile
+    torch.manual_seed(2)
+    path = grace_compile(NormTwice(64, 16).eval(), (torch.randn(1, 64),),
+                         output=tmp_path / "t.grace", progress=False)
+    assert all("stat = red" not in s for s in _sources(path, "reduction"))
+    monkeypatch.setattr(fuse_rows, "STORE_GEMV_ROWS", False)
+    path = _check(NormProj(256, 16), {"x": torch.randn(1, 256)}, tmp_path)
+    assert all("stat = red" not in s for s in _sources(path, "reduction"))
+
+
+def test_a_cached_decoder_decodes_as_eager(tmp_path, rows_on):
+    """The Llama decode step in fp32: its template GEMVs behind RMSNorms read stored rows, and
+    prefill plus decode steps through the CPU reference executor match eager."""
+    from torch.export import Dim
+
+    from grace.aot import compile as grace_compile
+    from grace.tools.models import CachedLlama
+
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=96,
+                        max_seq=32).eval()
+    t = Dim("seq", min=1, max=32)
+    path = grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                         output=tmp_path / "lm.grace", progress=False, fp32_matmul="ieee",
+                         dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                         buckets={"seq": [1, 32]})
+    m = read_package(path).manifest
+    decode = next(g for g in m["graphs"] if g["name"] == "seq=1")
+    pkg = read_package(path)
+    reds = [bytes(pkg.section(m["kernels"][n["kernel"]]["source"])).decode()
+            for n in decode["nodes"] if m["kernels"][n["kernel"]]["family"] == "reduction"]
+    assert sum("stat = red[:, None]" in s for s in reds) == 5   # 2 norms a layer, and the head's
+    idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    got, ref = _decode(path, idx), _eager(model, idx)
+    for g, r in zip(got, ref):
+        err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
+        assert err < 1e-5, err
