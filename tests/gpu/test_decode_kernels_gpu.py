@@ -156,6 +156,55 @@ def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
     pkg.close()
 
 
+class NormGemvStep(torch.nn.Module):
+    """An RMSNorm then a projection of K 2048 (the template GEMV, as Llama-1B's q/k/v)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm_w = torch.nn.Parameter(torch.rand(2048) + 0.5)
+        self.proj = torch.nn.Linear(2048, 3072, bias=False)
+
+    def forward(self, x):
+        return self.proj(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.norm_w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stored_gemv_row_with_programmatic_edges(tmp_path, dtype, monkeypatch):
+    """fuse_rows.STORE_GEMV_ROWS: the mean's kernel stores the normalised row, the template GEMV
+    behind a programmatic edge streams it; 100 fresh calls in a NaN-poisoned session (a race
+    shows up as a rare mismatch), against fp64 (fp32) or torch's bf16."""
+    from grace.aot import fuse_rows
+    monkeypatch.setattr(fuse_rows, "STORE_GEMV_ROWS", True)
+    torch.manual_seed(0)
+    model = NormGemvStep().eval()
+    with torch.no_grad():
+        model.proj.weight.normal_(0, 0.02)
+    model = model.to(dtype)
+    gen = torch.Generator().manual_seed(1)
+    path = grace_compile(model, (torch.randn(1, 1, 2048, generator=gen).to(dtype),),
+                         output=tmp_path / "m.grace", progress=False, fp32_matmul="ieee")
+    pkg = read_package(path)
+    assert any("stat = red[:, None]" in bytes(pkg.section(k["source"])).decode()
+               for k in pkg.manifest["kernels"] if k["family"] == "reduction")
+    gpu_model, model64 = copy.deepcopy(model).cuda(), copy.deepcopy(model).double()
+    pkg = load(path)
+    sess = pkg.session(poison=True)
+    for _ in range(100):
+        x = torch.randn(1, 1, 2048, generator=gen).to(dtype)
+        got = torch.from_dlpack(sess.run(x.cuda())["out"]).float().cpu()
+        with torch.no_grad():
+            ref = gpu_model(x.cuda()).float().cpu()
+            ref64 = model64(x.double())
+        assert torch.isfinite(got).all()
+        err = _rel(got, ref64)
+        if dtype == torch.float32:
+            assert err < 1e-5, err
+        else:
+            assert err < 2 * _rel(ref, ref64) + 1e-3, (err, _rel(ref, ref64))
+    sess.close()
+    pkg.close()
+
+
 class SoftmaxTimesValues(torch.nn.Module):
     """Decode attention's second product, unfused: a softmax row of dynamic length times values."""
 
