@@ -13,9 +13,15 @@ RMSNorm output (the GEMV used to multiply the unrounded float32 row).
 
 When: a one-output reduction (a fixed row of at most MAX_COLS elements, an epilogue of arithmetic
 on its value) whose only reader is a GEMV reading it in its row operand alone, under pointwise ops
-(fuse_stats._gemv_reader's conditions, with the template allowed); the row operand's elements
-are the reduction's columns in order (one batch row). Persistent GEMVs fold the mean instead
-(fuse_stats.FOLD_INTO_PERSISTENT runs first and takes them). Not yet timed in a decode graph.
+(fuse_stats._gemv_reader's conditions, with the template allowed); one batch row whose K is the
+reduction's row length, so one block walks both (the row is evaluated in the GEMV's own index
+space; the reduced value does not depend on the index). Persistent GEMVs fold the mean instead
+(fuse_stats.FOLD_INTO_PERSISTENT runs first and takes them).
+
+Timed on an H100 (Llama-1B, twenty-fourth session, docs/performance.md): the gate+up GEMVs
+23.30 -> 21.94 µs each, but each mean 1.04 -> 1.76 µs (its row store now ends the kernel the
+GEMV waits for): GPU span 1020.6 -> 1028.3 µs while generate() read 1.026 -> 1.009 ms/token
+(noisy pairs). Off until an H200 run decides it.
 """
 from __future__ import annotations
 
