@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .families import Matmul
 from .fuse import substitute
 from .fuse_stats import _factor, _foldable, _gemv_reader
 from .ir import Buffer, Kernel, Load, Op, contiguous_strides, numel
@@ -49,8 +48,7 @@ def store_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel
         g = kernels[j]
         spec = g.spec
         shape = (spec.batch, spec.m, spec.k)
-        if not isinstance(spec, Matmul) or spec.batch != 1 or spec.m != 1 \
-                or spec.k != numel(red.spec.src_shape) or spec.plan.programs:
+        if spec.batch != 1 or spec.k != numel(red.spec.src_shape) or spec.plan.programs:
             continue
         stored = red.epilogue if red.epilogue.dtype == red.out.dtype \
             else Op("cast", [red.epilogue], red.out.dtype)
