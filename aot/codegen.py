@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 
 from .codegen_expr import TL_TYPE, Ctx, ExprEmitter, NotBeforeWait, Writer, and_mask, factor_terms
-from .ir import EXTENTS, ITEMSIZE, Index, Kernel, contiguous_strides, loads, numel
+from .ir import EXTENTS, ITEMSIZE, Index, Kernel, Load, Op, contiguous_strides, loads, numel
 from .extents import is_prefix, true_size
 from .gemm_tiles import Tile
 
@@ -318,11 +318,23 @@ def _reduction_with_row(kernel: Kernel, w: Writer, op: str, init: str, tl_acc: s
     spec = kernel.spec
     cols = numel(spec.src_shape)
     bn = next_pow2(max(cols, 2))
-    w.emit(f"cols = tl.arange(0, {bn})[None, :]")
-    w.emit(f"mask = cols < {cols}")
-    w.emit(f"zero = tl.zeros([1, {bn}], tl.int32)")
-    src_ctx = Ctx(w, spec.src_shape, linear="cols", mask="mask", zero="zero")
     row_ctx = Ctx(w, spec.row_shape, linear="cols", mask="mask", zero="zero")
+
+    def setup():
+        w.emit(f"cols = tl.arange(0, {bn})[None, :]")
+        w.emit(f"mask = cols < {cols}")
+        w.emit(f"zero = tl.zeros([1, {bn}], tl.int32)")
+
+    if w.prefetch:
+        # The row's weights (the norm's scale) load before gdc_wait(), beside the kernels before
+        # this one: loaded after the reduction they were one more trip to memory on the path.
+        with w.before_wait():
+            setup()
+            for load in _weight_loads_at_row(spec.row_value):
+                ExprEmitter(w).value(load, row_ctx)   # memoised: the row reuses the variable
+    else:
+        setup()
+    src_ctx = Ctx(w, spec.src_shape, linear="cols", mask="mask", zero="zero")
     value = ExprEmitter(w).value(spec.src, src_ctx)
     free = ExprEmitter(w).value(spec.row_value, row_ctx) if spec.row_scale is not None else None
     w.emit(f"acc = tl.where(mask, {value}.to({tl_acc}), {init})")
@@ -336,6 +348,16 @@ def _reduction_with_row(kernel: Kernel, w: Writer, op: str, init: str, tl_acc: s
         row = f"{free}.to(tl.float32) * {scale}"
     w.emit(f"tl.store({w.ptr(spec.row)} + cols, ({row}).to({TL_TYPE[spec.row.dtype]}), mask=mask)")
     return launch
+
+
+def _weight_loads_at_row(expr) -> list:
+    """The weight loads of `expr` evaluated at the row's own index (under pointwise ops only, so
+    the row's context and memo serve them)."""
+    if isinstance(expr, Load):
+        return [expr] if expr.buf.kind == "weight" else []
+    if isinstance(expr, Op):
+        return [ld for a in expr.args for ld in _weight_loads_at_row(a)]
+    return []
 
 
 def _store_kept(w: Writer, spec, emitter: ExprEmitter, ctx: Ctx, cols: int):

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 
 from grace.aot import fuse_rows  # noqa: E402
 from grace.formats import read_package  # noqa: E402
+from grace.formats.races import check_pre_wait  # noqa: E402
 
 from test_fuse_append import _decode, _eager  # noqa: E402
 from test_fuse_stats import CenterProj, NormProj, NormTwice  # noqa: E402
@@ -39,6 +40,10 @@ def test_the_mean_kernel_stores_the_rms_norm_row(tmp_path, rows_on, k):
     gemv, = _sources(path, "matmul")
     assert "stat = red[:, None]" in red and red.count("tl.store(") == 2
     assert "rsqrt" not in gemv and "rsqrt" in red   # the GEMV streams a plain row
+    # the norm's weight loads before gdc_wait(), the value (x) after it; nothing else is early
+    before, after = red.split("gdc_wait()")
+    assert before.count("tl.load(") == 1 and "x1" in before and "x1" in after
+    assert check_pre_wait(read_package(path)) == []
 
 
 def test_a_row_that_is_no_product_reads_the_value(tmp_path, rows_on):
