@@ -379,7 +379,7 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
         kernels = fuse_stats.fold_row_stats(kernels, template=False)
     if fuse_sums.INLINE_SPLIT_SUMS:
         kernels = fuse_sums.inline_split_sums(kernels)
-    if fuse_rows.STORE_GEMV_ROWS:   # off: undecided on an H100 (aot/fuse_rows.py)
+    if fuse_rows.STORE_GEMV_ROWS:
         kernels, index = fuse_rows.store_gemv_rows(kernels, b.program.next_index)
         b.program = dc_replace(b.program, next_index=index)
     if fuse_append.APPEND_AFTER_ATTENTION:   # with ATTN_KV_BEFORE_WAIT: 1B -2.5%, 8B -1.1% a token

@@ -1,4 +1,4 @@
-"""Stage `fuse`, after the row statistics (off: `STORE_GEMV_ROWS`): an RMSNorm's mean kernel also
+"""Stage `fuse`, after the row statistics (`STORE_GEMV_ROWS`, on): an RMSNorm's mean kernel also
 stores the normalised row, and the GEMV behind it streams a plain vector.
 
 In a decode step a template GEMV (codegen._gemv: K walked in steps, a few weight rows a program)
@@ -18,10 +18,11 @@ reduction's row length, so one block walks both (the row is evaluated in the GEM
 space; the reduced value does not depend on the index). Persistent GEMVs fold the mean instead
 (fuse_stats.FOLD_INTO_PERSISTENT runs first and takes them).
 
-Timed on an H100 (Llama-1B, twenty-fourth session, docs/performance.md): the gate+up GEMVs
-23.30 -> 21.94 µs each, but each mean 1.04 -> 1.76 µs (its row store now ends the kernel the
-GEMV waits for): GPU span 1020.6 -> 1028.3 µs while generate() read 1.026 -> 1.009 ms/token
-(noisy pairs). Off until an H200 run decides it.
+Timed on an H100 (Llama-1B, docs/performance.md). Twenty-fourth session: the gate+up GEMVs
+23.30 -> 21.94 µs each, but each mean 1.04 -> 1.76 µs, its norm weight loaded after the reduction
+(one more trip to memory at the end of the kernel the GEMV waits for). Twenty-fifth session, the
+weight loaded before gdc_wait(): the means back at 1.05 µs, GPU span 1022.8 -> 1009.4 µs,
+generate() 1.028 -> 1.008 ms/token. On.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from .fuse import substitute
 from .fuse_stats import _factor, _foldable, _gemv_reader
 from .ir import Buffer, Kernel, Load, Op, contiguous_strides, numel
 
-STORE_GEMV_ROWS = False
+STORE_GEMV_ROWS = True
 MAX_COLS = 4096   # one block of the row in the reduction's registers
 
 

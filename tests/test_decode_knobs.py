@@ -85,8 +85,11 @@ def test_shared_residual_stream_in_a_decode_step(tmp_path):
     """Off, the residual adds chain in the readers' expressions until one outgrows the size
     rule; on, every layer's two adds are the epilogues of its output and down projections, the
     kernel count is unchanged, and every norm statistic reads one vector (and writes one)."""
-    _, plain = _compile(tmp_path, "noshare:lower.SHARE_MIN_READS=0", "plain")
-    model, path = _compile(tmp_path, None, "share")
+    # stored GEMV rows (fuse_rows, on by default) off in both: a mean that stores its row writes
+    # a second vector, and the arena arguments counted here are the shared stream's alone
+    _, plain = _compile(tmp_path, "noshare:lower.SHARE_MIN_READS=0,fuse_rows.STORE_GEMV_ROWS=False",
+                        "plain")
+    model, path = _compile(tmp_path, "share:fuse_rows.STORE_GEMV_ROWS=False", "share")
     _, g_off, k_off = _decode_graph(plain)
     _, g_on, k_on = _decode_graph(path)
     assert len(k_on) == len(k_off)

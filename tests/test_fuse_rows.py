@@ -60,12 +60,15 @@ def test_edge_rows(tmp_path, rows_on, k, scale):
     _check(NormProj(k, 9), {"x": x}, tmp_path, tol=1e-5)
 
 
-def test_off_by_default_and_with_another_reader(tmp_path, rows_on, monkeypatch):
+def test_on_by_default_off_when_asked_or_with_another_reader(tmp_path, monkeypatch):
     from grace.aot import compile as grace_compile
     torch.manual_seed(2)
     path = grace_compile(NormTwice(64, 16).eval(), (torch.randn(1, 64),),
                          output=tmp_path / "t.grace", progress=False)
     assert all("stat = red" not in s for s in _sources(path, "reduction"))
+    path = grace_compile(NormProj(256, 16).eval(), (torch.randn(1, 256),),
+                         output=tmp_path / "d.grace", progress=False)
+    assert any("stat = red" in s for s in _sources(path, "reduction"))   # the default
     monkeypatch.setattr(fuse_rows, "STORE_GEMV_ROWS", False)
     path = _check(NormProj(256, 16), {"x": torch.randn(1, 256)}, tmp_path)
     assert all("stat = red" not in s for s in _sources(path, "reduction"))

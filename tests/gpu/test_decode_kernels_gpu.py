@@ -170,8 +170,9 @@ class NormGemvStep(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stored_gemv_row_with_programmatic_edges(tmp_path, dtype, monkeypatch):
-    """fuse_rows.STORE_GEMV_ROWS: the mean's kernel stores the normalised row, the template GEMV
-    behind a programmatic edge streams it; 100 fresh calls in a NaN-poisoned session (a race
+    """fuse_rows.STORE_GEMV_ROWS (the default, set here so the test holds if the default moves):
+    the mean's kernel stores the normalised row, the template GEMV behind a programmatic edge
+    streams it; 100 fresh calls in a NaN-poisoned session (a race
     shows up as a rare mismatch), against fp64 (fp32) or torch's bf16."""
     from grace.aot import fuse_rows
     monkeypatch.setattr(fuse_rows, "STORE_GEMV_ROWS", True)
