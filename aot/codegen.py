@@ -162,27 +162,35 @@ def scatter(kernel: Kernel, w: Writer):
     buffer, or an arena copy): `out[coords(i)] = value(i)`. Positions outside `out` are not
     written (an out-of-range index would otherwise corrupt neighbouring state)."""
     block, ctx = _flat_block(kernel, w)
+    _scatter_store(w, kernel.out, kernel.spec.coords, kernel.epilogue, ctx, block,
+                   kernel.spec.accumulate)
+    return _flat_launch(kernel, block)
+
+
+def _scatter_store(w: Writer, out, coords, epilogue, ctx: Ctx, block: int,
+                   accumulate: str | None = None):
+    """`out[coords(i)] = epilogue(i)` for the flat block of index space `ctx` (Scatter's
+    semantics; also a decode attention's own KV-cache appends)."""
     emitter = ExprEmitter(w)
-    value = emitter.value(kernel.epilogue, ctx)
-    shape = kernel.out.shape
+    value = emitter.value(epilogue, ctx)
+    shape = out.shape
     strides = contiguous_strides(shape)
     terms, bounds = [], []
-    for d, coord in enumerate(kernel.spec.coords):
+    for d, coord in enumerate(coords):
         c = emitter.value(coord, ctx)
         if not isinstance(coord, Index):
             bounds.append(f"({c} >= 0) & ({c} < {shape[d]})")
         if shape[d] != 1:
             terms.append(f"{c}.to(tl.int64) * {strides[d]}")
     masks = ([] if ctx.mask == "None" else [f"({ctx.mask})"]) + bounds
-    addr = " + ".join(terms) or "zero"   # a block even when every dimension has size 1
+    addr = " + ".join(terms) or ctx.zero   # a block even when every dimension has size 1
     store_mask = f", mask=tl.broadcast_to({' & '.join(masks)}, [{block}])" if masks else ""
     # accumulate: index_put(accumulate=True), scatter_add, scatter_reduce sum/amax/amin —
     # duplicate destinations combine atomically (float sums in an unspecified order)
     store = {None: "tl.store", "add": "tl.atomic_add", "max": "tl.atomic_max",
-             "min": "tl.atomic_min"}[kernel.spec.accumulate]
-    w.emit(f"{store}({w.ptr(kernel.out)} + tl.broadcast_to({addr}, [{block}]), "
-           f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[kernel.out.dtype]}){store_mask})")
-    return _flat_launch(kernel, block)
+             "min": "tl.atomic_min"}[accumulate]
+    w.emit(f"{store}({w.ptr(out)} + tl.broadcast_to({addr}, [{block}]), "
+           f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[out.dtype]}){store_mask})")
 
 
 # ---- reductions -------------------------------------------------------------------------------
@@ -1209,6 +1217,8 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"q = {_masked(q, mask_q)}.to({tl_dot})")
     if appended:   # this call's key and value at one position, once per program (fuse_append)
         _appended_key_value(w, p, bd, bdv, tl_dot, pos=not kv_early)
+    if p.k_cache is not None:   # and stored into the caches here (APPEND_IN_ATTENTION)
+        _store_appends(w, p, b * h // pack)
     w.emit(f"m_i = tl.full([{bm}], -float(\"inf\"), tl.float32)")
     w.emit(f"l_i = tl.zeros([{bm}], tl.float32)")
     w.emit(f"acc = tl.zeros([{bm}, {bdv}], tl.float32)")
@@ -1320,6 +1330,28 @@ def _appended_key_value(w: Writer, p, bd: int, bdv: int, tl_dot: str, pos: bool 
         ctx = Ctx(w, shape, ["ib", "ih", "0", lane], mask=mask, zero=f"zero_{name}")
         value = ExprEmitter(w).value(expr, ctx)
         w.emit(f"{name} = {_masked(value, mask)}.to({tl_dot})")
+
+
+def _store_appends(w: Writer, p, programs: int):
+    """A decode attention's KV-cache appends (fuse_append.APPEND_IN_ATTENTION), stored by the
+    programs of its first query block and first key split: the `programs` of grid dimension 1
+    share each append's index space ([b, h_kv, 1, d]) in flat slices. Every program of the
+    attention takes the appended key and value from k_new / v_new, so whether another program
+    has stored them yet does not matter (a cache load of that position is replaced)."""
+    for name, value, pos, cache in (("k", p.k_store, p.k_store_pos, p.k_cache),
+                                    ("v", p.v_store, p.v_store_pos, p.v_cache)):
+        shape = p.append_space(cache)
+        n = numel(shape)
+        per = cdiv(n, programs)
+        block = next_pow2(max(per, 16))
+        lane, at = f"a{name}_lane", f"a{name}_at"
+        w.emit(f"{lane} = tl.arange(0, {block})")
+        w.emit(f"{at} = tl.program_id(1) * {per} + {lane}")
+        w.emit(f"a{name}_mask = ({lane} < {per}) & ({at} < {n}) & (tl.program_id(0) == 0) "
+               f"& (tl.program_id(2) == 0)")
+        w.emit(f"a{name}_zero = tl.zeros([{block}], tl.int32)")
+        ctx = Ctx(w, shape, linear=at, mask=f"a{name}_mask", zero=f"a{name}_zero")
+        _scatter_store(w, cache, (Index(0), Index(1), pos, Index(3)), value, ctx, block)
 
 
 @dataclass(frozen=True)

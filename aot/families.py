@@ -309,19 +309,57 @@ class Attention(Spec):
     k_new: Expr | None = None
     v_new: Expr | None = None
     new_pos: Expr | None = None
+    # The appends themselves (fuse_append.APPEND_IN_ATTENTION): the attention's first key split
+    # stores this call's key and value into the caches, so they launch no kernels of their own.
+    # The appends' values and positions over their own index spaces ([b, h_kv, 1, d|dv]: the
+    # caches' shapes with one position), and the caches (state buffers [b, h_kv, slots, d|dv]).
+    k_store: Expr | None = None
+    k_store_pos: Expr | None = None
+    v_store: Expr | None = None
+    v_store_pos: Expr | None = None
+    k_cache: Buffer | None = None
+    v_cache: Buffer | None = None
 
     def index_spaces(self, out_shape):
         b, h, lq, lk = self.b, self.h, self.lq, self.lk
-        return {"q": (b, h, lq, self.d), "k": (b, h, lk, self.d), "v": (b, h, lk, self.dv),
-                "mask": (b, h, lq, lk), "k_new": (b, h, lk, self.d), "v_new": (b, h, lk, self.dv),
-                "new_pos": (b, h, lk, self.d)}
+        spaces = {"q": (b, h, lq, self.d), "k": (b, h, lk, self.d), "v": (b, h, lk, self.dv),
+                  "mask": (b, h, lq, lk), "k_new": (b, h, lk, self.d),
+                  "v_new": (b, h, lk, self.dv), "new_pos": (b, h, lk, self.d)}
+        for name, cache in (("k", self.k_cache), ("v", self.v_cache)):
+            if cache is not None:
+                spaces[f"{name}_store"] = spaces[f"{name}_store_pos"] = self.append_space(cache)
+        return spaces
+
+    @staticmethod
+    def append_space(cache: Buffer) -> tuple:
+        """The index space of an append into `cache`: one position of it."""
+        b, h_kv, _, d = cache.shape
+        return (b, h_kv, 1, d)
 
     def shape_problems(self, out_shape):
         given = [f for f in ("k_new", "v_new", "new_pos") if getattr(self, f) is not None]
         if given and len(given) != 3:
             return [f"an appended key and value needs k_new, v_new and new_pos, not only "
                     f"{', '.join(given)}"]
+        stores = ("k_store", "k_store_pos", "v_store", "v_store_pos", "k_cache", "v_cache")
+        given = [f for f in stores if getattr(self, f) is not None]
+        if given and (len(given) != len(stores) or self.new_pos is None):
+            return ["storing the appends needs k_new/v_new/new_pos and all of "
+                    f"{', '.join(stores)}, not only {', '.join(given)}"]
+        for cache, d in ((self.k_cache, self.d), (self.v_cache, self.dv)):
+            if cache is not None and (cache.kind != "state" or len(cache.shape) != 4
+                                      or cache.shape[0] != self.b or cache.shape[3] != d):
+                return [f"appends into {cache.name} ({cache.kind}, {list(cache.shape)}), not a "
+                        f"[{self.b}, h_kv, slots, {d}] state buffer"]
         return _bhld_problems(self, out_shape)
+
+    def extra_writes(self):
+        return [c for c in (self.k_cache, self.v_cache) if c is not None]
+
+    def reads_own_writes(self):
+        # k and v read the caches it stores the appends into, and at the appended position
+        # (the only one it stores) take k_new / v_new instead of what was loaded there
+        return ("k", "v") if self.k_cache is not None else ()
 
     def out_elements(self, out_shape):
         if self.plan.split > 1:
@@ -429,11 +467,18 @@ def in_place_problem(kernel: Kernel) -> str | None:
     is about to store (each program reads what it then overwrites, nothing another program
     writes): a pointwise update of session state in place, `n = n + x`. Never through its spec's
     operands (read across rows and tiles), nor when it scatters (it stores elsewhere than it
-    computes)."""
+    computes). A buffer it writes besides `out` (Spec.extra_writes) it reads only through the
+    fields its spec names (Spec.reads_own_writes)."""
     out = kernel.out
     for name, expr in kernel.spec.exprs():
         if any(load.buf is out for load in loads(expr)):
             return f"reads {out.name}, which it writes, through {name}"
+    extra = {b.index: b for b in kernel.spec.extra_writes()}
+    allowed = set(kernel.spec.reads_own_writes())
+    for name, expr in [("epilogue", kernel.epilogue)] + kernel.spec.exprs():
+        read = [ld.buf for ld in loads(expr) if ld.buf.index in extra]
+        if read and name not in allowed:
+            return f"reads {read[0].name}, which it also writes, through {name}"
     if not any(load.buf is out for load in loads(kernel.epilogue)):
         return None
     if of(kernel).scatters:

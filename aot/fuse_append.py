@@ -20,6 +20,13 @@ attention reads the caches only through `k` and `v`; the kernels between an appe
 attention neither touch the caches nor write what the appends read, and the attention does not
 write it either. Static shapes only (a decode step's graph: `seq=1`).
 
+With APPEND_IN_ATTENTION (off until timed) the appends are not launched at all: the attention's
+spec takes their values, positions and caches (`Attention.k_store`, `v_store`, `k_cache`, ...)
+and the programs of its first key split store them (codegen._store_appends), after gdc_wait(),
+the appends' own values at their own positions. The attention is then the only node of the step
+that writes the caches; another of its programs may load the appended position while it is
+stored, and discards that load (it takes `k_new` / `v_new` there). Two kernels a layer fewer.
+
 Measured, four times. Alone the pass lost: the ninth session 0.972 -> 0.992 ms a token, the
 fifteenth (packed grouped-query heads) 0.858 -> 0.893. Two causes were found in the eighteenth
 session. (1) The memory plan gave the combine's output the bytes of the QKV projection's output,
@@ -45,6 +52,10 @@ from .families import Attention, Scatter
 from .ir import Acc, DimMap, Index, Kernel, Load, Op, Reindex, contiguous_strides, loads, walk
 
 APPEND_AFTER_ATTENTION = True
+# With it, the appends go into the attention itself: its first key split's programs store this
+# call's key and value into the caches (families.Attention.k_store..., codegen._store_appends),
+# and the two scatter kernels a layer are not launched. Off until timed (docs/performance.md).
+APPEND_IN_ATTENTION = False
 # The moved appends of an attention whose caches and inputs no later kernel touches (reads or
 # writes the caches, writes what the appends read) go to the end of the kernel list instead of
 # right after it: the graph then issues every critical-path kernel before
@@ -174,9 +185,14 @@ def _rewrite(kernels: list[Kernel], ai: int) -> list[Kernel] | None:
     new_spec = replace(spec, k_new=_at_key_zero(stored(sk, k[0]), k[1]),
                        v_new=_at_key_zero(stored(sv, v[0]), v[1]),
                        new_pos=_at_key_zero(pos_k, k[1]))
-    moved = [replace(kernels[j], off_path=True) for j in appends]
     rest = [x for j, x in enumerate(kernels) if j not in appends]
     at = rest.index(att)
+    if APPEND_IN_ATTENTION:   # the attention stores them: the same values at the same position
+        new_spec = replace(new_spec, k_store=sk.epilogue, k_store_pos=pos_k, k_cache=k[0],
+                           v_store=sv.epilogue, v_store_pos=_one_position(sv, v[0]),
+                           v_cache=v[0])
+        return rest[:at] + [replace(att, spec=new_spec)] + rest[at + 1:]
+    moved = [replace(kernels[j], off_path=True) for j in appends]
     after = rest[at + 1:]
     if APPENDS_LAST and not any(_reads(x) & caches or x.out.index in caches | inputs
                                 for x in after):

@@ -363,6 +363,12 @@ class Spec:
         each live from this kernel to its last reader; the graph's edges order it as a write."""
         return []
 
+    def reads_own_writes(self) -> tuple[str, ...]:
+        """The expression fields through which the kernel may read a buffer of `extra_writes`
+        (families.in_place_problem): none, unless the family shows that no value it computes
+        depends on what its own programs store there."""
+        return ()
+
     # The family's rules, which the IR verifier (aot/verify_ir.py) checks; the families override
     # them (aot/families.py).
     def index_spaces(self, out_shape) -> dict:

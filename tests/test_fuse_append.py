@@ -270,3 +270,72 @@ def test_capped_key_blocks_before_the_wait(tmp_path):
     assert grids and all(g[2] == capped.split for g in grids)
     idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(2))
     _same_decodes(on, off, idx, (5, 32, 63, 255), model)
+
+
+IN_ATTENTION = parse_variant("in:fuse_append.APPEND_AFTER_ATTENTION=True,"
+                             "fuse_append.APPEND_IN_ATTENTION=True")
+
+
+def _compile_in_attention(model, path, max_seq=MAX_SEQ, **options):
+    with applied(IN_ATTENTION):
+        return _compile(model, path, True, max_seq=max_seq, **options)
+
+
+def _stores_the_caches(package):
+    """The decode graph's attention kernels, each storing through two more parameters than the
+    partials (or output) it writes: the two caches."""
+    m = package.manifest
+    graph = next(g for g in m["graphs"] if g["name"] == "seq=1")
+    kernels = [m["kernels"][n["kernel"]] for n in graph["nodes"] if "kernel" in n]
+    attention = [k for k in kernels if k["family"] == "attention"]
+    return attention and all(len(k["writes"]) == 3 for k in attention)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])   # grouped-query and plain
+def test_appends_inside_the_attention(tmp_path, packages, heads, kv_heads):
+    """fuse_append.APPEND_IN_ATTENTION (off by default): the decode graph launches no append
+    kernels; the attention stores this call's key and value into the caches itself. The race
+    proof holds (the attention is the caches' only writer in the step), and the prompt, three
+    decode steps (each reading the keys the steps before it stored) and generate() are bit for
+    bit the package without the pass, and eager's logits and greedy tokens."""
+    from grace.tools.interpret import generate_package
+
+    model, _ = packages(heads, kv_heads, True)
+    off = packages(heads, kv_heads, False)[1]
+    path = _compile_in_attention(model, tmp_path / "in.grace",
+                                 generate={"tokens": "idx", "positions": "input_pos"})
+    fams = _families(path)
+    assert fams.count("attention") == 2 and "scatter" not in fams
+    prefill = _families(path, "seq=32")   # the prompt's graph keeps its append kernels
+    assert prefill[:prefill.index("attention")].count("scatter") == 2
+    package = read_package(path)
+    assert _stores_the_caches(package)
+    assert races.check_races(package.manifest) == [] and races.check_pre_wait(package) == []
+    idx = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    got = _decode(path, idx)
+    for g, w in zip(got, _decode(off, idx)):
+        np.testing.assert_array_equal(g, w)
+    for g, r in zip(got, _eager(model, idx)):
+        err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
+        assert err < 1e-5, err
+    prompt = torch.randint(0, 96, (5,), generator=torch.Generator().manual_seed(3))
+    assert generate_package(path, prompt.numpy(), 6).tolist() == model.greedy(prompt, 6)
+
+
+def test_appends_inside_a_split_packed_attention(tmp_path):
+    """Split keys and packed grouped-query heads, key blocks loaded before the wait: the first
+    split's programs store the appends. Bit for bit the package without either pass at the
+    cache's start, middle and end (the appended key in the first, a middle and the last split),
+    and eager's values."""
+    model = _model(8, 2, max_seq=256)
+    path = _compile_in_attention(model, tmp_path / "in.grace", max_seq=256)
+    off = _compile(model, tmp_path / "off.grace", False, max_seq=256)
+    package = read_package(path)
+    assert "scatter" not in _families(path) and _stores_the_caches(package)
+    assert races.check_races(package.manifest) == [] and races.check_pre_wait(package) == []
+    sources = [bytes(package.section(k["source"])).decode()
+               for k in package.manifest["kernels"] if k["family"] == "attention"]
+    decode = [s for s in sources if "ak_mask" in s]
+    assert decode and all("ihr = " in s and "kt_early" in s for s in decode)
+    idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(1))
+    _same_decodes(path, off, idx, (6, 127, 254), model)

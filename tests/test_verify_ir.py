@@ -210,6 +210,15 @@ def test_a_kernel_reads_what_it_writes_only_where_it_stores():
                              op="sum", acc_dtype="float32"), n, (4,), Acc())
     with pytest.raises(IRVerifyError, match="reads n, which it writes, through src"):
         verify_ir.check_kernels([total])
+    # a buffer written beside `out` (Spec.extra_writes) is read back only where the family
+    # says it may (Spec.reads_own_writes: a decode attention's caches, through k and v)
+    kept = Buffer("kept", "arena", "float32", (4, 8), 7)
+    keeps = Kernel(Reduction(src=Load(kept, 0, (8, 1)), src_shape=(4, 8), src_ext=None,
+                             rdims=(1,), op="sum", acc_dtype="float32", keep=kept,
+                             kept=Load(X, 0, (8, 1))),
+                   Buffer("s", "arena", "float32", (4,), 8), (4,), Acc(), label="keeps")
+    with pytest.raises(IRVerifyError, match="reads kept, which it also writes, through src"):
+        verify_ir.check_kernels([keeps])
 
 
 def test_a_broken_memory_plan_is_caught(llama):

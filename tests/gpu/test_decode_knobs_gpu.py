@@ -43,6 +43,9 @@ KNOBS = {
     # the appends after the attention, which loads its key blocks before gdc_wait()
     "kvearly": f"kvearly:{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=True,"
                "codegen.ATTN_KV_BEFORE_WAIT=True",
+    # and the appends stored by the attention itself, no kernels of their own
+    "inattn": f"inattn:{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=True,"
+              "codegen.ATTN_KV_BEFORE_WAIT=True,fuse_append.APPEND_IN_ATTENTION=True",
 }
 
 

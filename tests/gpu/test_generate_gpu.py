@@ -119,16 +119,19 @@ def _logits_and_tokens(pkg, prompt):
     return logits, sess.generate(prompt.numpy(), NEW).tolist()
 
 
+@pytest.mark.parametrize("inside", [False, True], ids=["after", "inside"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_appends_after_attention_change_no_value(tmp_path, dtype):
+def test_appends_after_attention_change_no_value(tmp_path, dtype, inside):
     """aot/fuse_append.py (on by default): with the KV-cache appends moved after the attention,
-    prefill and decode logits equal those of the package without the pass bit for bit (the
-    attention reads the very values the appends store), and generate() gives the same tokens."""
+    or (APPEND_IN_ATTENTION) stored by the attention itself, prefill and decode logits equal
+    those of the package without the pass bit for bit (the attention reads the very values the
+    appends store), and generate() gives the same tokens."""
     from grace.tools.variants import applied, parse_variant
 
     model = _model(dtype)
     kw = {"fp32_matmul": "ieee"} if dtype == torch.float32 else {}
-    with applied(parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True")):
+    with applied(parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True,"
+                               f"fuse_append.APPEND_IN_ATTENTION={inside}")):
         moved = load(_compile(model, tmp_path / "moved.grace", **kw))
     with applied(parse_variant("plain:fuse_append.APPEND_AFTER_ATTENTION=False,"
                                "codegen.ATTN_KV_BEFORE_WAIT=False")):
