@@ -109,8 +109,7 @@ def _one_position(scatter: Kernel, cache) -> object | None:
         return None
     if scatter.out.index != cache.index or scatter.ext and any(scatter.ext):
         return None
-    b, h, _, d = cache.shape
-    if tuple(scatter.out_shape) != (b, h, 1, d) or len(spec.coords) != 4:
+    if tuple(scatter.out_shape) != Attention.append_space(cache) or len(spec.coords) != 4:
         return None
     for dim in (0, 1, 3):
         c = spec.coords[dim]
@@ -189,8 +188,7 @@ def _rewrite(kernels: list[Kernel], ai: int) -> list[Kernel] | None:
     at = rest.index(att)
     if APPEND_IN_ATTENTION:   # the attention stores them: the same values at the same position
         new_spec = replace(new_spec, k_store=sk.epilogue, k_store_pos=pos_k, k_cache=k[0],
-                           v_store=sv.epilogue, v_store_pos=_one_position(sv, v[0]),
-                           v_cache=v[0])
+                           v_store=sv.epilogue, v_store_pos=pos_v, v_cache=v[0])
         return rest[:at] + [replace(att, spec=new_spec)] + rest[at + 1:]
     moved = [replace(kernels[j], off_path=True) for j in appends]
     after = rest[at + 1:]
