@@ -20,7 +20,7 @@ attention reads the caches only through `k` and `v`; the kernels between an appe
 attention neither touch the caches nor write what the appends read, and the attention does not
 write it either. Static shapes only (a decode step's graph: `seq=1`).
 
-With APPEND_IN_ATTENTION (off until timed) the appends are not launched at all: the attention's
+With APPEND_IN_ATTENTION (on) the appends are not launched at all: the attention's
 spec takes their values, positions and caches (`Attention.k_store`, `v_store`, `k_cache`, ...)
 and the programs of its first key split store them (codegen._store_appends), after gdc_wait(),
 the appends' own values at their own positions. The attention is then the only node of the step
@@ -43,6 +43,13 @@ With 64-key blocks at head dimension 128 (codegen.ATTN_SPLIT_BLOCK_ELEMS) the 8B
 4174.4 -> 4127.7 µs (generate() 4.192 -> 4.142 ms). On by default since, with
 ATTN_KV_BEFORE_WAIT. To time without: `--variant off:fuse_append.APPEND_AFTER_ATTENTION=False,
 codegen.ATTN_KV_BEFORE_WAIT=False` of tools/bench_decode.py.
+
+APPEND_IN_ATTENTION, twenty-seventh session, H100, two 1B runs and one 8B run: the GPU span is
+unchanged (1B 1010.1 -> 1009.5 and 1011.7 -> 1013.2 µs, 8B 5326.7 -> 5323.0 µs) because the
+appends' 0.87 µs each were the attention's own drain, which the combine now waits for instead
+(attention + appends + combine 5.96 µs a layer either way); generate() moved within the order
+noise of a run (1B -0.4% and +0.7%, 8B +0.2%). run() gained on the 1B (-2.4%, -1.9%; 8B -0.6%):
+a decode graph of 151 nodes instead of 183 (8B 230 instead of 294) starts sooner. On by default.
 """
 from __future__ import annotations
 
@@ -54,8 +61,8 @@ from .ir import Acc, DimMap, Index, Kernel, Load, Op, Reindex, contiguous_stride
 APPEND_AFTER_ATTENTION = True
 # With it, the appends go into the attention itself: its first key split's programs store this
 # call's key and value into the caches (families.Attention.k_store..., codegen._store_appends),
-# and the two scatter kernels a layer are not launched. Off until timed (docs/performance.md).
-APPEND_IN_ATTENTION = False
+# and the two scatter kernels a layer are not launched. On (twenty-seventh session, below).
+APPEND_IN_ATTENTION = True
 # The moved appends of an attention whose caches and inputs no later kernel touches (reads or
 # writes the caches, writes what the appends read) go to the end of the kernel list instead of
 # right after it: the graph then issues every critical-path kernel before

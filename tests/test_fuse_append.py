@@ -18,7 +18,10 @@ from grace.tools.interpret import InterpretSession  # noqa: E402
 from grace.tools.models import CachedLlama  # noqa: E402
 from grace.tools.variants import applied, parse_variant  # noqa: E402
 
-ON = parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True")
+# the appends moved after the attention as kernels of their own (APPEND_IN_ATTENTION, on by
+# default, stores them in the attention: tested below)
+ON = parse_variant("append:fuse_append.APPEND_AFTER_ATTENTION=True,"
+                   "fuse_append.APPEND_IN_ATTENTION=False")
 OFF = parse_variant("off:fuse_append.APPEND_AFTER_ATTENTION=False,codegen.ATTN_KV_BEFORE_WAIT=False")
 MAX_SEQ = 32
 
@@ -30,9 +33,11 @@ def _model(n_heads=4, n_kv_heads=2, max_seq=MAX_SEQ):
     return model
 
 
-def _compile(model, path, on: bool, max_seq=MAX_SEQ, **options):
+def _compile(model, path, on, max_seq=MAX_SEQ, **options):
+    """`on`: True (the appends after the attention, kernels of their own), False (both knobs
+    off), or a variant of its own."""
     t = Dim("seq", min=1, max=max_seq)
-    with applied(ON if on else OFF):
+    with applied(ON if on is True else OFF if on is False else on):
         return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
                              output=path, progress=False, fp32_matmul="ieee",
                              dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
@@ -94,9 +99,11 @@ def _same_decodes(on, off, idx, prompts, model=None):
 
 
 def test_on_by_default(packages):
-    """On by default (both knobs); off, the appends stay before the attention."""
+    """On by default (both knobs, and the appends stored by the attention itself); off, the
+    appends stay before the attention."""
     from grace.aot import codegen
     assert fuse_append.APPEND_AFTER_ATTENTION is True and codegen.ATTN_KV_BEFORE_WAIT is True
+    assert fuse_append.APPEND_IN_ATTENTION is True
     fams = _families(packages(4, 2, False)[1])
     assert fams[:fams.index("attention")].count("scatter") == 2
 
@@ -174,7 +181,7 @@ def test_packed_grouped_heads(tmp_path):
 
 
 KV_EARLY = parse_variant("kv:fuse_append.APPEND_AFTER_ATTENTION=True,"
-                         "codegen.ATTN_KV_BEFORE_WAIT=True")
+                         "codegen.ATTN_KV_BEFORE_WAIT=True,fuse_append.APPEND_IN_ATTENTION=False")
 
 
 def test_key_blocks_before_the_wait(tmp_path):
@@ -277,8 +284,7 @@ IN_ATTENTION = parse_variant("in:fuse_append.APPEND_AFTER_ATTENTION=True,"
 
 
 def _compile_in_attention(model, path, max_seq=MAX_SEQ, **options):
-    with applied(IN_ATTENTION):
-        return _compile(model, path, True, max_seq=max_seq, **options)
+    return _compile(model, path, IN_ATTENTION, max_seq=max_seq, **options)
 
 
 def _stores_the_caches(package):
@@ -293,7 +299,7 @@ def _stores_the_caches(package):
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4)])   # grouped-query and plain
 def test_appends_inside_the_attention(tmp_path, packages, heads, kv_heads):
-    """fuse_append.APPEND_IN_ATTENTION (off by default): the decode graph launches no append
+    """fuse_append.APPEND_IN_ATTENTION (on by default): the decode graph launches no append
     kernels; the attention stores this call's key and value into the caches itself. The race
     proof holds (the attention is the caches' only writer in the step), and the prompt, three
     decode steps (each reading the keys the steps before it stored) and generate() are bit for

@@ -42,7 +42,7 @@ KNOBS = {
     "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
     # the appends after the attention, which loads its key blocks before gdc_wait()
     "kvearly": f"kvearly:{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=True,"
-               "codegen.ATTN_KV_BEFORE_WAIT=True",
+               "codegen.ATTN_KV_BEFORE_WAIT=True,fuse_append.APPEND_IN_ATTENTION=False",
     # and the appends stored by the attention itself, no kernels of their own
     "inattn": f"inattn:{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=True,"
               "codegen.ATTN_KV_BEFORE_WAIT=True,fuse_append.APPEND_IN_ATTENTION=True",
