@@ -168,9 +168,11 @@ def scatter(kernel: Kernel, w: Writer):
 
 
 def _scatter_store(w: Writer, out, coords, epilogue, ctx: Ctx, block: int,
-                   accumulate: str | None = None):
+                   accumulate: str | None = None, later: list | None = None):
     """`out[coords(i)] = epilogue(i)` for the flat block of index space `ctx` (Scatter's
-    semantics; also a decode attention's own KV-cache appends)."""
+    semantics; also a decode attention's own KV-cache appends). `later`: the store line goes
+    there, for the caller to emit further down, instead of here (its value and address are
+    computed here, so their loads are issued here)."""
     emitter = ExprEmitter(w)
     value = emitter.value(epilogue, ctx)
     shape = out.shape
@@ -189,8 +191,12 @@ def _scatter_store(w: Writer, out, coords, epilogue, ctx: Ctx, block: int,
     # duplicate destinations combine atomically (float sums in an unspecified order)
     store = {None: "tl.store", "add": "tl.atomic_add", "max": "tl.atomic_max",
              "min": "tl.atomic_min"}[accumulate]
-    w.emit(f"{store}({w.ptr(out)} + tl.broadcast_to({addr}, [{block}]), "
-           f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[out.dtype]}){store_mask})")
+    line = (f"{store}({w.ptr(out)} + tl.broadcast_to({addr}, [{block}]), "
+            f"tl.broadcast_to({value}, [{block}]).to({TL_TYPE[out.dtype]}){store_mask})")
+    if later is None:
+        w.emit(line)
+    else:
+        later.append(line)
 
 
 # ---- reductions -------------------------------------------------------------------------------
@@ -1217,8 +1223,9 @@ def attention(kernel: Kernel, w: Writer):
     w.emit(f"q = {_masked(q, mask_q)}.to({tl_dot})")
     if appended:   # this call's key and value at one position, once per program (fuse_append)
         _appended_key_value(w, p, bd, bdv, tl_dot, pos=not kv_early)
-    if p.k_cache is not None:   # and stored into the caches here (APPEND_IN_ATTENTION)
-        _store_appends(w, p, b * h // pack)
+    # and stored into the caches here (APPEND_IN_ATTENTION): their values loaded now, the stores
+    # themselves after the partial or output store (ATTN_APPEND_STORES_LAST)
+    append_stores = _store_appends(w, p, b * h // pack) if p.k_cache is not None else []
     w.emit(f"m_i = tl.full([{bm}], -float(\"inf\"), tl.float32)")
     w.emit(f"l_i = tl.zeros([{bm}], tl.float32)")
     w.emit(f"acc = tl.zeros([{bm}, {bdv}], tl.float32)")
@@ -1300,6 +1307,8 @@ def attention(kernel: Kernel, w: Writer):
     w.indent -= 1 + bool(skips) + bool(masked_block)
     if split > 1:
         _store_attention_partial(w, kernel, split, m_term, bm, bdv)
+        for line in append_stores:
+            w.emit(line)
         return (cdiv(lq_rows, bm), b * h // pack, split), 4, 2
     assert pack == 1, "grouped-query heads are packed for split-KV only (attention_plan)"
     # a row whose keys are all masked out is 0, as torch's SDPA gives (left padding)
@@ -1311,6 +1320,8 @@ def attention(kernel: Kernel, w: Writer):
               zero="zero")
     value = ExprEmitter(w, acc="o").value(kernel.epilogue, ctx)
     _store(w, kernel, value, ctx, f"[{bm}, {bdv}]")
+    for line in append_stores:
+        w.emit(line)
     return (cdiv(lq, bm), b * h, 1), ATTN_WARPS, ATTN_STAGES
 
 
@@ -1332,12 +1343,16 @@ def _appended_key_value(w: Writer, p, bd: int, bdv: int, tl_dot: str, pos: bool 
         w.emit(f"{name} = {_masked(value, mask)}.to({tl_dot})")
 
 
-def _store_appends(w: Writer, p, programs: int):
+def _store_appends(w: Writer, p, programs: int) -> list[str]:
     """A decode attention's KV-cache appends (fuse_append.APPEND_IN_ATTENTION), stored by the
     programs of its first query block and first key split: the `programs` of grid dimension 1
     share each append's index space ([b, h_kv, 1, d]) in flat slices. Every program of the
     attention takes the appended key and value from k_new / v_new, so whether another program
-    has stored them yet does not matter (a cache load of that position is replaced)."""
+    has stored them yet does not matter (a cache load of that position is replaced).
+
+    Emits the values and addresses; returns the two store lines when ATTN_APPEND_STORES_LAST
+    (the caller emits them at the end of the kernel), else emits them too and returns []."""
+    later = [] if ATTN_APPEND_STORES_LAST else None
     for name, value, pos, cache in (("k", p.k_store, p.k_store_pos, p.k_cache),
                                     ("v", p.v_store, p.v_store_pos, p.v_cache)):
         shape = p.append_space(cache)
@@ -1351,7 +1366,9 @@ def _store_appends(w: Writer, p, programs: int):
                f"& (tl.program_id(2) == 0)")
         w.emit(f"a{name}_zero = tl.zeros([{block}], tl.int32)")
         ctx = Ctx(w, shape, linear=at, mask=f"a{name}_mask", zero=f"a{name}_zero")
-        _scatter_store(w, cache, (Index(0), Index(1), pos, Index(3)), value, ctx, block)
+        _scatter_store(w, cache, (Index(0), Index(1), pos, Index(3)), value, ctx, block,
+                       later=later)
+    return later or []
 
 
 @dataclass(frozen=True)
@@ -1380,6 +1397,14 @@ ATTN_ONE_BLOCK_ELEMS = 16384
 # 4175.7 -> 4249.4 us with 128-key blocks (registers: ATTN_SPLIT_BLOCK_ELEMS) and 4174.4 ->
 # 4127.7 us with 64-key ones (twentieth session).
 ATTN_KV_BEFORE_WAIT = True
+# The KV-cache appends an attention stores itself (fuse_append.APPEND_IN_ATTENTION) are stored
+# at the end of the kernel, their values loaded where they were. Stored before the key loop, a
+# warp stalls at the store until the appended values have arrived, and only then issues the
+# loop's first loads (the mask at this position): one more dependent trip to memory a layer.
+# Llama-1B on an H100 (docs/performance.md, twenty-seventh session): GPU span 999.2 -> 995.1 and
+# 997.7 us (two builds of the same package), generate() 1.012 -> 1.005 and 1.012 ms: within the
+# spread of the two identical builds, not worse; kept for the stall it removes by construction.
+ATTN_APPEND_STORES_LAST = True
 ATTN_SPLIT_PROGRAMS_PER_SM = 4   # split keys while the programs stay within this many per SM
 # The largest key block (keys x head columns) of a split-KV decode program (one query tile):
 # fewer keys a step, and more splits, past it. Such a program may load its key and value blocks

@@ -345,3 +345,49 @@ def test_appends_inside_a_split_packed_attention(tmp_path):
     assert decode and all("ihr = " in s and "kt_early" in s for s in decode)
     idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(1))
     _same_decodes(path, off, idx, (6, 127, 254), model)
+
+
+
+STORES_FIRST = parse_variant("first:fuse_append.APPEND_AFTER_ATTENTION=True,"
+                             "fuse_append.APPEND_IN_ATTENTION=True,"
+                             "codegen.ATTN_APPEND_STORES_LAST=False")
+
+
+def _decode_attention_source(path):
+    package = read_package(path)
+    assert races.check_races(package.manifest) == [] and races.check_pre_wait(package) == []
+    sources = [bytes(package.section(k["source"])).decode()
+               for k in package.manifest["kernels"] if k["family"] == "attention"]
+    decode = [s for s in sources if "ak_mask" in s]
+    assert len(decode) == 1
+    return decode[0]
+
+
+def test_append_stores_last(tmp_path):
+    """codegen.ATTN_APPEND_STORES_LAST (on by default): a decode attention that stores its own
+    appends loads their values where it did, before the key loop, and stores them after its
+    partials, so no warp waits at a store before the loop's loads. Decodes bit for bit the
+    package that stores them before the loop, at the cache's start, middle and end, and a
+    position past the cache is still reported (and the next call is clean)."""
+    from grace.runtime.errors import IndexOutOfRangeError
+
+    model = _model(8, 2, max_seq=256)
+    path = _compile_in_attention(model, tmp_path / "last.grace", max_seq=256)
+    first = _compile(model, tmp_path / "first.grace", STORES_FIRST, max_seq=256)
+    for p, last in ((path, True), (first, False)):
+        body = _decode_attention_source(p).split("gdc_wait()")[1]
+        loop = body.index("for j0 in range(")
+        stores = [ln.strip() for ln in body.splitlines() if ln.strip().startswith("tl.store(")]
+        assert "ak_mask" in stores[-2 if last else 0] and "av_mask" in stores[-1 if last else 1]
+        # the appended values' loads before the loop either way; the stores before it or not
+        assert any("tl.load(" in ln and "mask=ak_mask" in ln for ln in body[:loop].splitlines())
+        assert body[:loop].count("tl.store(") == (0 if last else 2)
+    idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(1))
+    _same_decodes(path, first, idx, (6, 127, 254), model)
+
+    sess = InterpretSession(path)
+    sess.run({"idx": idx[:, :6].numpy(), "input_pos": np.arange(6)})
+    with pytest.raises(IndexOutOfRangeError):
+        sess.run({"idx": idx[:, 6:7].numpy(), "input_pos": np.array([256])})
+    good = sess.run({"idx": idx[:, 6:7].numpy(), "input_pos": np.array([6])})["out"]
+    assert np.isfinite(good).all()
