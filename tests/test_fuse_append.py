@@ -366,9 +366,10 @@ def _decode_attention_source(path):
 def test_append_stores_last(tmp_path):
     """codegen.ATTN_APPEND_STORES_LAST (on by default): a decode attention that stores its own
     appends loads their values where it did, before the key loop, and stores them after its
-    partials, so no warp waits at a store before the loop's loads. Decodes bit for bit the
-    package that stores them before the loop, at the cache's start, middle and end, and a
-    position past the cache is still reported (and the next call is clean)."""
+    partials, so no warp waits at a store before the loop's loads. (Its decodes are checked bit
+    for bit against the package without the appends in the attention, and against eager, by
+    test_appends_inside_a_split_packed_attention, which builds it by default.) A position past
+    the cache is still reported, and the next call is clean."""
     from grace.runtime.errors import IndexOutOfRangeError
 
     model = _model(8, 2, max_seq=256)
@@ -382,9 +383,7 @@ def test_append_stores_last(tmp_path):
         # the appended values' loads before the loop either way; the stores before it or not
         assert any("tl.load(" in ln and "mask=ak_mask" in ln for ln in body[:loop].splitlines())
         assert body[:loop].count("tl.store(") == (0 if last else 2)
-    idx = torch.randint(0, 96, (1, 256), generator=torch.Generator().manual_seed(1))
-    _same_decodes(path, first, idx, (6, 127, 254), model)
-
+    idx = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(1))
     sess = InterpretSession(path)
     sess.run({"idx": idx[:, :6].numpy(), "input_pos": np.arange(6)})
     with pytest.raises(IndexOutOfRangeError):
