@@ -3,7 +3,7 @@
 In: `as_record(obj, what, stream)` turns whatever the caller passed into an ArrayRecord, zero-copy:
   1. a DeviceArray (ours);
   2. a numpy array -> host record; the session copies it into a staging buffer;
-  3. a torch tensor, read through its own attributes (data_ptr, shape, stride, dtype, get_device)
+  3. a torch tensor, read through its own attributes (data_ptr, shape, is_contiguous, dtype, get_device)
      without importing torch: cheaper than either protocol, and it covers bfloat16, which torch
      cannot express through __cuda_array_interface__;
   4. `__cuda_array_interface__` (CuPy, Numba, ...), unless it is missing, raises, or has a type we
@@ -225,10 +225,15 @@ def _numpy_dtype_problem(dt: np.dtype) -> str:
 
 
 def _from_torch(t, what: str) -> ArrayRecord:
+    """The hot path of run(), so it asks a tensor as little as it can: the shape stays a torch.Size
+    (a tuple subclass that hashes and compares as the tuple), and the strides are read only when
+    torch says the tensor is not contiguous. Its rule is ours (a size-1 dim may have any stride),
+    except that torch calls every empty tensor contiguous: fine, no kernel reads one."""
     device = t.get_device()  # -1 for CPU tensors
     if device < 0:
         raise InputError(f"{what}: is a CPU tensor; pass x.cuda() (zero-copy) or x.numpy() (host copy)")
-    return ArrayRecord(t.data_ptr(), tuple(t.shape), tuple(t.stride()), dtypes.from_torch(t.dtype), device)
+    strides = None if t.is_contiguous() else tuple(t.stride())
+    return ArrayRecord(t.data_ptr(), t.shape, strides, dtypes.from_torch(t.dtype), device)
 
 
 def _from_cai(cai, what: str, has_dlpack: bool):

@@ -114,6 +114,7 @@ class Session:
             out_nbytes = [self._shapes.output_capacity(o) * dtypes.itemsize(s.dtype)
                           for o, s in enumerate(self._outputs)]
             self._out_ptrs = [driver.mem_alloc(n) for n in out_nbytes]
+            self._output_buffers = [(s.name, ptr, s.dtype) for s, ptr in zip(self._outputs, self._out_ptrs)]
             if poison:  # 0xFF bytes: NaN in every float format, -1 in every int format
                 for ptr, n in ((self._arena, regions["arena"]), (self._table, regions["table"]),
                                *zip(self._out_ptrs, out_nbytes)):
@@ -191,11 +192,17 @@ class Session:
         return words
 
     def _results(self, call, out, out_records) -> dict:
-        """What run() returns: {output name: DeviceArray of this run, or the caller's out= array}."""
+        """What run() returns: {output name: DeviceArray of this run, or the caller's out= array}.
+        The common case (no out=, every shape known at launch) goes straight to of_session."""
         results = {}
-        for o, (spec, shape) in enumerate(zip(self._outputs, call.output_shapes)):
-            name = spec.name
-            results[name] = out[name] if out_records and name in out_records else self._output_array(o, shape)
+        if out_records or self._data_outputs:
+            for o, (spec, shape) in enumerate(zip(self._outputs, call.output_shapes)):
+                name = spec.name
+                results[name] = out[name] if out_records and name in out_records else self._output_array(o, shape)
+            return results
+        new, ordinal = DeviceArray.of_session, self._ordinal  # (a loop: cheaper than a comprehension)
+        for (name, ptr, dtype), shape in zip(self._output_buffers, call.output_shapes):
+            results[name] = new(self, ptr, shape, dtype, ordinal, name)
         return results
 
     # ----------------------------------------------------------------------------------- state

@@ -50,7 +50,7 @@ def test_each_input_kind_is_a_device_array_run_accepts(fake, kind):
     assert rec.shape == (1, 129) and rec.dtype == "int64" and rec.device == 0
     ArrayCheck("input 'input_ids'", "int64", 0).check(rec)
     if kind == "torch":
-        assert rec.strides == (129, 1)
+        assert rec.strides is None  # torch says contiguous: its strides are not read
 
 
 def test_the_default_mode_on_the_fake_driver(fake, bucket_package, tmp_path, capsys):

@@ -27,7 +27,7 @@ from grace.formats import ManifestError
 from grace.runtime.errors import (InputError, InvalidPackageError, NoDeviceError, PackageMismatchError,
                                   StaleOutputError)
 from grace.runtime.loader import pick_arch
-from grace.runtime.validate import ArrayRecord
+from grace.runtime.validate import ArrayCheck, ArrayRecord
 
 # ---------------------------------------------------------------------------- a tiny package
 
@@ -289,6 +289,34 @@ def test_as_record_rejects_unknown_objects_and_cpu_torch():
     torch = pytest.importorskip("torch")
     with pytest.raises(InputError, match="CPU tensor"):
         as_record(torch.zeros(3), "input 'x'", 1)
+
+
+def test_a_torch_tensor_keeps_its_size_and_shows_strides_only_when_not_contiguous():
+    """run()'s hot path asks a tensor as little as it can (arrays._from_torch): the torch.Size is
+    the record's shape (and works as the shape plan's cache key), the strides are read only when
+    torch's contiguity says no, and those go through the same checks as any other array's."""
+    torch = pytest.importorskip("torch")
+
+    class OnDevice(torch.Tensor):   # a CPU tensor that says it is on cuda:0, taking torch's path
+        def get_device(self):
+            return 0
+    OnDevice.__module__ = "torch"
+    check = ArrayCheck("input 'x'", "float32", 0)
+    x = torch.zeros(4, 32).as_subclass(OnDevice)
+    rec = as_record(x, "input 'x'", 1)
+    assert (rec.ptr, rec.shape, rec.strides, rec.dtype, rec.device) == (x.data_ptr(), (4, 32), None, "float32", 0)
+    assert {(4, 32): "hit"}[rec.shape] == "hit" and hash(rec.shape) == hash((4, 32))
+    check.check(rec)
+    t = as_record(x.t(), "input 'x'", 1)
+    assert t.shape == (32, 4) and t.strides == (1, 32)
+    with pytest.raises(InputError, match=r"strides \[1, 32\] are not C-contiguous \(expected \[4, 1\]\)"):
+        check.check(t)
+    with pytest.raises(InputError, match="not C-contiguous"):
+        check.check(as_record(x[:, :1], "input 'x'", 1))   # size 1 at the end, dim 0's stride is 32
+    size_one = torch.zeros(3, 1, 5).as_subclass(OnDevice).transpose(0, 1)   # [1, 3, 5], strides (5, 5, 1)
+    assert as_record(size_one, "input 'x'", 1).strides is None   # a size-1 dim may have any stride
+    empty = torch.zeros(0, 3).as_subclass(OnDevice).t()   # torch: contiguous (nothing to read)
+    assert as_record(empty, "input 'x'", 1).strides is None
 
 
 def test_dlpack_export_round_trips_through_numpy_and_torch():

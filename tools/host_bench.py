@@ -9,7 +9,7 @@ random weights) is compiled with a dynamic sequence length (grace.aot.compile bu
 the CPU) and loaded through grace.tools.fuzz.FakeDriver, a stand-in for cuda.bindings.driver whose
 "device memory" is host memory and whose graph calls return at once. The input looks
 device-resident: by default a stand-in with a torch tensor's attributes (data_ptr(), shape,
-stride(), dtype, get_device(), the path run() takes for a CUDA torch tensor), or `--input cai`
+is_contiguous(), dtype, get_device(), the path run() takes for a CUDA torch tensor), or `--input cai`
 (__cuda_array_interface__), `dlpack` or `device` (a grace DeviceArray). Driver calls cost a Python
 call here, not the real driver's time, so the figure is the Python part of run(); a relative
 change in it is what this mode is for.
@@ -189,6 +189,9 @@ class TorchLike:
 
     def stride(self) -> tuple:
         return self._strides
+
+    def is_contiguous(self) -> bool:
+        return True
 
     def get_device(self) -> int:
         return 0
