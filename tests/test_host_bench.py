@@ -6,6 +6,7 @@ package, real cubins, instead of compiling a BERT).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -94,3 +95,20 @@ def test_help_names_both_modes(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "--gpu" in text and "--json" in text and "fake" in text
+
+
+def test_the_gpu_report_names_every_figure():
+    """--gpu's figures (made up here: the mode needs a GPU) each get their line, the first run()
+    after a sync among them, and the stages their sum."""
+    def fig(median):
+        return {"median": median, "min": median - 1, "repeats": 100, "number": 20}
+    res = {"mode": "gpu", "device": "NVIDIA H100 80GB HBM3", "model": "BERT", "input": "torch", "seq": 129,
+           "graph": "seq=256", "run_us": fig(7.5), "run_alternating_us": fig(9.5), "run_first_us": fig(15.25),
+           "run_sync_us": fig(1880.0), "eager_sync_us": fig(7000.0), "eager_host_us": fig(900.0),
+           "stages_us": {**{name: fig(1.0 + i) for i, name in enumerate(host_bench.STAGES)}, "loop": fig(0.03)}}
+    text = host_bench.report(res)
+    assert "NVIDIA H100" in text
+    assert "run(), the first after a sync" in text and "15.25 µs/call" in text
+    for label in ("same input buffer", "alternating", "run() + sync()", "eager torch + sync", "host only"):
+        assert label in text
+    assert re.search(r"^ +sum +28\.00 ", text, re.M)  # 1 + 2 + ... + 7
