@@ -317,6 +317,9 @@ def test_a_torch_tensor_keeps_its_size_and_shows_strides_only_when_not_contiguou
     assert as_record(size_one, "input 'x'", 1).strides is None   # a size-1 dim may have any stride
     empty = torch.zeros(0, 3).as_subclass(OnDevice).t()   # torch: contiguous (nothing to read)
     assert as_record(empty, "input 'x'", 1).strides is None
+    scalar = as_record(torch.zeros(()).as_subclass(OnDevice), "input 'x'", 1)   # 0-d
+    assert scalar.shape == () and scalar.strides is None and {(): "hit"}[scalar.shape] == "hit"
+    check.check(scalar)
 
 
 def test_dlpack_export_round_trips_through_numpy_and_torch():
