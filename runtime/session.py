@@ -319,17 +319,12 @@ class Session:
         return graph
 
     def _input_records(self, args, named) -> tuple:
-        """(records, shapes) of the inputs, each checked (InputError). The hot path of run(): what
-        _record does for an out= array, spelled out here (one Python call less per input)."""
+        """(records, shapes) of the inputs, each checked (InputError)."""
         if named or len(args) != len(self._input_names):
             args = self._in_manifest_order(args, named)
         records, shapes = [], []
-        stream = self._stream_int
         for check, obj in zip(self._input_checks, args):
-            rec = as_record(obj, check.what, stream)
-            if rec.device is None:  # __cuda_array_interface__ does not say which GPU: ask the driver
-                rec.device = driver.pointer_device(rec.ptr)
-            check.check(rec)
+            rec = self._record(obj, check)
             if rec.owner is self:
                 raise InputError(f"{check.what}: is an output of this session, whose buffers this run "
                                  "rewrites; copy it first, or pass it to another session")
@@ -376,7 +371,8 @@ class Session:
         return records
 
     def _record(self, obj, check: ArrayCheck):
-        """`obj` as an ArrayRecord, checked against its slot (InputError)."""
+        """`obj` as an ArrayRecord, checked against its slot (InputError); inputs and out= arrays
+        alike, so the rule lives once."""
         rec = as_record(obj, check.what, self._stream_int)
         if rec.device is None:  # __cuda_array_interface__ does not say which GPU: ask the driver
             rec.device = driver.pointer_device(rec.ptr)
