@@ -1003,7 +1003,9 @@ GEMV_PREFETCH_STEPS = 1   # K steps of its weights a GEMV loads before gdc_wait(
 # projections behind attention (Llama-1B's o: 8 MB, 512 programs of 2 steps, ran at 2 TB/s in the
 # decode graph, half its weights loaded before the wait). At 16 MB the 1B's o projections gained
 # 7.8 µs a token but its attention lost 7.2 and the big GEMVs 4.8: run() 0.862 -> 0.865 ms
-# (docs/performance.md, fourteenth session). Off.
+# (docs/performance.md, fourteenth session). At 8 MB (the o projections only) an H100 gained
+# 8.8 and 11.1 µs of span a token, run() -1.9% and -1.1% (twenty-fourth and twenty-ninth
+# sessions). Off until an H200 run of the 8 MB setting decides it.
 GEMV_PREFETCH_ALL_MAX_BYTES = 0
 GEMV_BK = 1024     # K step: the columns of a weight row a program loads per step
 GEMV_WARPS = 4
