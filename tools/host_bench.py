@@ -18,8 +18,9 @@ change in it is what this mode is for.
 with a dynamic sequence length (or loaded from --package, written there on first use), a CUDA torch
 tensor as input. It reports run() alone (no sync: bursts of --burst calls after a sync, which the
 GPU's launch queue absorbs), the first run() after a sync alone (what a server that waits for
-each request's result pays: on an H100 about twice a call inside a burst), run() followed by
-sync(), and eager torch (with a sync) for reference.
+each request's result pays; how it compares with a call inside a burst depends on the host: on
+H100 hosts 0.8 to 1.4 times the burst's median, docs/performance.md), run() followed by sync(),
+and eager torch (with a sync) for reference.
 
 Both modes time run() timeit-style (median over --repeats samples, each the mean of a loop of
 calls) and then each stage of it alone, in the same way, through the session's own pieces:
