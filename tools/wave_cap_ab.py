@@ -9,6 +9,12 @@ three ways in one process, generate() timed per token (bench_decode's paired loo
   cap-attn   the cap but on the attention and its combine (their programs may then start beside
              the capped GEMV before them)
   cap-small  the cap but on grids of at most 32 programs (means, combines, split-K sums)
+  cap<=2/SM  the cap only on grids of at most two programs per multiprocessor (persistent GEMVs,
+             attention, combines, means): the template GEMVs' many programs uncapped. The
+             twentieth session's H200 figures point here: nocap gained 0.8% on the 1B (whose
+             GEMVs are all the template) where cap>2/SM lost 1.3%, and the 8B lost 6% uncapped
+             (its persistent GEMVs bunch)
+  cap<=4/SM  the same up to four programs per multiprocessor (the 1B's o projection, 512)
 
 Why: the cap makes a node's programs big in shared memory so its grid spreads over the chip, and
 that also decides which of them fit beside the programs of the node before (what programmatic
@@ -25,7 +31,7 @@ from pathlib import Path
 
 from grace.tools.variants import parse_variant
 
-MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small")
+MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small", "cap<=2/SM", "cap<=4/SM")
 
 
 def cap_rules(capped, families: list) -> dict:
@@ -44,7 +50,9 @@ def cap_rules(capped, families: list) -> dict:
             "cap>2/SM": cap_unless(lambda p, lim: blocks(p) <= 2 * lim.sm_count),
             "cap-attn": cap_unless(lambda p, lim: families[p.kernel] in ("attention",
                                                                          "attn_combine")),
-            "cap-small": cap_unless(lambda p, lim: blocks(p) <= 32)}
+            "cap-small": cap_unless(lambda p, lim: blocks(p) <= 32),
+            "cap<=2/SM": cap_unless(lambda p, lim: blocks(p) > 2 * lim.sm_count),
+            "cap<=4/SM": cap_unless(lambda p, lim: blocks(p) > 4 * lim.sm_count)}
 
 
 def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: int = 2,
