@@ -1,10 +1,10 @@
 """The CNN family on the GPU: timm models with random weights and random batch-norm statistics,
 compiled with grace.aot, run by the torch-free runtime (arena poisoned with NaN) and compared
 with eager — fp32 against an fp64 reference (≤ 1e-4 relative), bf16 against fp32 eager of the
-same weights (≤ 2e-2). The families are shared with test_cnn_more_gpu.py, so that
-`pytest -n 6 --dist loadfile` runs them on two workers: in one file they were the GPU suite's
-longest queue (mobilenetv3 88 s and efficientnet 79 s among them), and the fourteenth session's
-suite was cut at 325 s inside it.
+same weights (≤ 2e-2). The families are shared with test_cnn_more_gpu.py, and each family is an
+xdist group of its own (tests/gpu/conftest.py), so that `pytest -n 8 --dist loadgroup` spreads
+them over workers: in one queue they were the GPU suite's longest (mobilenetv3 88 s and
+efficientnet 79 s among them), and the fourteenth session's suite was cut at 325 s inside it.
 
     pytest -m gpu tests/gpu/test_cnn_gpu.py tests/gpu/test_cnn_more_gpu.py
 """
@@ -49,7 +49,8 @@ def workdir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"cnn-{n}"))
+                                  for n in MODELS])
 def test_timm_cnn_matches_eager(name, dtype, workdir):
     check_cnn(name, dtype, workdir)
 

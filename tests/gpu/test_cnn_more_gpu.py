@@ -1,5 +1,5 @@
-"""The rest of the CNN families of test_cnn_gpu.py (which says what is checked), in a file of
-their own so that `pytest -n 6 --dist loadfile` gives them a worker of their own.
+"""The rest of the CNN families of test_cnn_gpu.py (which says what is checked and how they
+spread over the workers).
 
     pytest -m gpu tests/gpu/test_cnn_gpu.py tests/gpu/test_cnn_more_gpu.py
 """
@@ -20,6 +20,7 @@ MODELS = ["efficientnet_b0", "convnext_tiny"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xdist_group(f"cnn-{n}"))
+                                  for n in MODELS])
 def test_timm_cnn_matches_eager(name, dtype, workdir):
     check_cnn(name, dtype, workdir)

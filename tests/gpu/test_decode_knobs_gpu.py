@@ -1,8 +1,9 @@
 """Decode-graph knobs on the H200 (tests/test_decode_knobs.py on the CPU): each alone and all
-together, against a package with every knob off, fp32 and bf16, NaN-poisoned sessions. In a file
-of their own so that `pytest -n 6 --dist loadfile` runs them beside test_generate_gpu.py: together
-the two made one worker's queue the GPU suite's critical path, past its 325 s budget (fourteenth
-session).
+together, against a package with every knob off, fp32 and bf16, NaN-poisoned sessions. Each case
+compiles a package of its own, so under `--dist loadgroup` (tests/gpu/conftest.py) they run in
+four xdist groups, two a dtype, each building its dtype's baseline once: in one file's queue the
+twenty cases were the GPU suite's critical path (the twenty-ninth session's suite was cut at
+430 s inside them).
 
 Run with `pytest -m gpu tests/gpu`.
 """
@@ -76,8 +77,11 @@ def _knob_kw(dtype):
     return {"fp32_matmul": "ieee"} if dtype == torch.float32 else {}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("knob", sorted(KNOBS))
+@pytest.mark.parametrize("dtype", [
+    pytest.param(torch.float32, marks=pytest.mark.xdist_group("knobs-fp32"), id="dtype0"),
+    pytest.param(torch.bfloat16, marks=pytest.mark.xdist_group("knobs-bf16"), id="dtype1")])
+@pytest.mark.parametrize("knob", [
+    pytest.param(k, marks=pytest.mark.xdist_group(f"half{i % 2}")) for i, k in enumerate(sorted(KNOBS))])
 def test_decode_knobs_keep_the_logits(tmp_path, knob_baseline, knob, dtype):
     """Split-K GEMVs (the down projection's K 2048 in 2 chunks), the shared residual stream,
     packed grouped-query heads, values loaded with their keys and small GEMVs' weights all
