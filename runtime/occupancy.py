@@ -62,13 +62,25 @@ def one_wave_shared(blocks: int, shared: int, limits: SharedLimits) -> int:
     return need
 
 
+# The cap only on grids of at most this many programs per multiprocessor (None: on every grid).
+# A larger grid's blocks spread over every multiprocessor whatever lands first, and its cap (a
+# share of shared memory a block) only keeps the next kernel's programs from starting beside it.
+# H100, one process a shape, generate() ms/token (tools/wave_cap_ab.py, docs/performance.md,
+# thirtieth session): Llama-1B 1.0119 / 1.0089 with the cap on every programmatic node, 1.0070 /
+# 1.0064 with it up to 2 programs per multiprocessor; Llama-8B 5.347 -> 5.327 (no cap: 1.012 and
+# 5.358; up to 4: 1.016 / 1.013 and 5.332). Left at None until the GPU suite has run with 2.
+CAP_MAX_PER_SM = None
+
+
 def cap_programmatic(plans: list, limits: SharedLimits) -> list:
-    """One graph's NodePlans with every node that has a programmatic dependency launched with
+    """One graph's NodePlans with every node that has a programmatic dependency (and a grid of at
+    most CAP_MAX_PER_SM programs per multiprocessor, where that is set) launched with
     one_wave_shared; the other nodes as they are."""
     capped = []
     for plan in plans:
-        if plan.programmatic:
-            gx, gy, gz = plan.grid
+        gx, gy, gz = plan.grid
+        if plan.programmatic and (CAP_MAX_PER_SM is None
+                                  or gx * gy * gz <= CAP_MAX_PER_SM * limits.sm_count):
             shared = one_wave_shared(gx * gy * gz, plan.shared, limits)
             if shared != plan.shared:
                 plan = plan.with_shared(shared)

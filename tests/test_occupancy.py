@@ -50,6 +50,19 @@ def test_only_programmatic_targets_are_capped():
     assert (capped[2].grid, capped[2].deps, capped[2].programmatic) == ((12, 12, 1), (0, 1), (1,))
 
 
+def test_the_cap_can_be_kept_to_small_grids(monkeypatch):
+    """CAP_MAX_PER_SM (None: every grid): with 2, a programmatic grid of more than two programs
+    per multiprocessor keeps the kernel's own shared memory; the rest are capped as before."""
+    from grace.runtime import occupancy
+    from grace.runtime.graph import NodePlan
+
+    plans = [NodePlan(i, f"n{i}", i, grid, 128, 1024, (), (i - 1,), (i - 1,))
+             for i, grid in enumerate([(264, 1, 1), (265, 1, 1), (768, 1, 1), (1, 32, 1)], 1)]
+    every = [p.shared for p in cap_programmatic(plans, H200)]
+    assert occupancy.CAP_MAX_PER_SM is None and all(s > 1024 for s in every)
+    monkeypatch.setattr(occupancy, "CAP_MAX_PER_SM", 2)
+    assert [p.shared for p in cap_programmatic(plans, H200)] == [every[0], 1024, 1024, every[3]]
+
 def test_the_loader_launches_programmatic_targets_one_wave_wide(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
