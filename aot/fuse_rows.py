@@ -34,6 +34,13 @@ from .ir import Buffer, Kernel, Load, Op, contiguous_strides, numel
 
 STORE_GEMV_ROWS = True
 MAX_COLS = 4096   # one block of the row in the reduction's registers
+# Weight elements per program per K step for a template GEMV whose row is a plain vector (a stored
+# row, an attention's output); 0: every GEMV keeps codegen.GEMV_TILE. 4 rows x 1024 won over 2 x
+# 1024 when every program recomputed an RMSNorm row (codegen.GEMV_TILE's comment); a plain row
+# costs nothing to load again. H100, Llama-1B, all GEMVs at 2 x 1024 (docs/performance.md,
+# thirtieth session): QKV 67.2 -> 61.8 µs a token, o 84.0 -> 78.4, gate+up 352.9 -> 352.0, the
+# down projection (a SwiGLU row, an expression) 187.2 -> 233.6. Off until timed on its own.
+PLAIN_ROW_TILE = 0
 
 
 def store_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel], int]:
@@ -62,3 +69,23 @@ def store_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel
                                                row_scale=scale, row_shape=shape))
         kernels[j] = replace(g, spec=replace(spec, a=Load(row, 0, contiguous_strides(shape))))
     return kernels, next_index
+
+
+def plain_row_tiles(kernels: list[Kernel]) -> list[Kernel]:
+    """The kernels with every unsplit template GEMV whose row operand is a plain load retiled to
+    PLAIN_ROW_TILE weight elements per program and K step (as a new list). Each program sums its
+    own rows over the same K steps in the same order, so the results do not change."""
+    from .codegen import next_pow2
+    from .families import Matmul
+    out = []
+    for k in kernels:
+        spec = k.spec
+        plan = getattr(spec, "plan", None)
+        if (isinstance(spec, Matmul) and plan.gemv and not plan.programs and plan.split == 1
+                and not plan.ahead and spec.partial is None and isinstance(spec.a, Load)
+                and spec.stat is None):
+            bn = min(max(2, PLAIN_ROW_TILE // plan.bk), max(2, next_pow2(spec.n)))
+            if bn != plan.bn:
+                k = replace(k, spec=replace(spec, plan=replace(plan, bn=bn)))
+        out.append(k)
+    return out

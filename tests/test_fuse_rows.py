@@ -101,3 +101,45 @@ def test_a_cached_decoder_decodes_as_eager(tmp_path, rows_on):
     for g, r in zip(got, ref):
         err = np.linalg.norm(np.asarray(g, np.float64) - r) / np.linalg.norm(r)
         assert err < 1e-5, err
+
+
+def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch):
+    """PLAIN_ROW_TILE (off by default): the template GEMVs whose row is a plain vector (the stored
+    rows, the attention's output into the o projection) take 2 rows a program, those whose row is
+    an expression (the down projection's SwiGLU) keep theirs, and the decode gives the very logits
+    of the package without it (each program sums its own rows in the same order), race-free."""
+    from torch.export import Dim
+
+    from grace.aot import compile as grace_compile
+    from grace.formats.races import check_races
+    from grace.tools.models import CachedLlama
+
+    from test_fuse_append import _same_decodes
+
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=96,
+                        max_seq=32).eval()
+    t = Dim("seq", min=1, max=32)
+
+    def build(name, tile):
+        monkeypatch.setattr(fuse_rows, "PLAIN_ROW_TILE", tile)
+        return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                             output=tmp_path / name, progress=False, fp32_matmul="ieee",
+                             dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                             buckets={"seq": [1, 32]})
+
+    def gemv_grids(path):
+        m = read_package(path).manifest
+        decode = next(g for g in m["graphs"] if g["name"] == "seq=1")
+        return [n["grid"][0] for n in decode["nodes"]
+                if m["kernels"][n["kernel"]]["family"] == "matmul"]
+
+    off, on = build("off.grace", 0), build("on.grace", 128)
+    # a layer's qkv (128 columns), o (64), gate+up (192) and down (64, K 96: a SwiGLU row), then
+    # the head (96). K 64 is one step of 64 columns: 4096 elements are 64 rows a program, 128 are
+    # 2; the down projection keeps its 32 rows of 128 columns
+    assert gemv_grids(off) == [2, 1, 3, 2] * 2 + [2]
+    assert gemv_grids(on) == [64, 32, 96, 2] * 2 + [48]
+    assert check_races(read_package(on).manifest) == [] and check_pre_wait(read_package(on)) == []
+    idx = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    _same_decodes(on, off, idx, prompts=(5, 9), model=model)
