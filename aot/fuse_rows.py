@@ -37,9 +37,12 @@ MAX_COLS = 4096   # one block of the row in the reduction's registers
 # Weight elements per program per K step for a template GEMV whose row is a plain vector (a stored
 # row, an attention's output); 0: every GEMV keeps codegen.GEMV_TILE. 4 rows x 1024 won over 2 x
 # 1024 when every program recomputed an RMSNorm row (codegen.GEMV_TILE's comment); a plain row
-# costs nothing to load again. H100, Llama-1B, all GEMVs at 2 x 1024 (docs/performance.md,
-# thirtieth session): QKV 67.2 -> 61.8 µs a token, o 84.0 -> 78.4, gate+up 352.9 -> 352.0, the
-# down projection (a SwiGLU row, an expression) 187.2 -> 233.6. Off until timed on its own.
+# costs nothing to load again. H100, Llama-1B (docs/performance.md, thirtieth session), exposed
+# µs a token: all GEMVs at 2 x 1024, QKV 67.2 -> 61.8, o 84.0 -> 78.4, gate+up 352.9 -> 352.0, the
+# down projection (a SwiGLU row, an expression) 187.2 -> 233.6; this knob at 2048, QKV 67.0 ->
+# 61.9, o 83.1 -> 77.8, but gate+up 348.2 -> 364.3 and the down after it 185.1 -> 190.6: span
+# 996.0 -> 1005.8, generate() 1.005 -> 1.004. Off. What gained were the GEMVs of few programs
+# (QKV 768, o 512 at 4 rows): a rule by grid, not by row, is the next thing to time.
 PLAIN_ROW_TILE = 0
 
 
