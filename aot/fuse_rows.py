@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .codegen import next_pow2
+from .families import Matmul
 from .fuse import substitute
 from .fuse_stats import _factor, _foldable, _gemv_reader
 from .ir import Buffer, Kernel, Load, Op, contiguous_strides, numel
@@ -78,17 +80,13 @@ def plain_row_tiles(kernels: list[Kernel]) -> list[Kernel]:
     """The kernels with every unsplit template GEMV whose row operand is a plain load retiled to
     PLAIN_ROW_TILE weight elements per program and K step (as a new list). Each program sums its
     own rows over the same K steps in the same order, so the results do not change."""
-    from .codegen import next_pow2
-    from .families import Matmul
     out = []
     for k in kernels:
         spec = k.spec
-        plan = getattr(spec, "plan", None)
-        if (isinstance(spec, Matmul) and plan.gemv and not plan.programs and plan.split == 1
-                and not plan.ahead and spec.partial is None and isinstance(spec.a, Load)
-                and spec.stat is None):
-            bn = min(max(2, PLAIN_ROW_TILE // plan.bk), max(2, next_pow2(spec.n)))
-            if bn != plan.bn:
+        if isinstance(spec, Matmul) and isinstance(spec.a, Load) and spec.stat is None:
+            plan = spec.plan
+            if plan.gemv and not plan.programs and plan.split == 1 and not plan.ahead:
+                bn = min(max(2, PLAIN_ROW_TILE // plan.bk), max(2, next_pow2(spec.n)))
                 k = replace(k, spec=replace(spec, plan=replace(plan, bn=bn)))
         out.append(k)
     return out

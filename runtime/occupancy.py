@@ -72,15 +72,15 @@ def one_wave_shared(blocks: int, shared: int, limits: SharedLimits) -> int:
 CAP_MAX_PER_SM = None
 
 
-def cap_programmatic(plans: list, limits: SharedLimits) -> list:
+def cap_programmatic(plans: list, limits: SharedLimits, max_per_sm: int | None = None) -> list:
     """One graph's NodePlans with every node that has a programmatic dependency (and a grid of at
-    most CAP_MAX_PER_SM programs per multiprocessor, where that is set) launched with
-    one_wave_shared; the other nodes as they are."""
+    most `max_per_sm` programs per multiprocessor, CAP_MAX_PER_SM when not given, where either is
+    set) launched with one_wave_shared; the other nodes as they are."""
+    limit = CAP_MAX_PER_SM if max_per_sm is None else max_per_sm
     capped = []
     for plan in plans:
         gx, gy, gz = plan.grid
-        if plan.programmatic and (CAP_MAX_PER_SM is None
-                                  or gx * gy * gz <= CAP_MAX_PER_SM * limits.sm_count):
+        if plan.programmatic and (limit is None or gx * gy * gz <= limit * limits.sm_count):
             shared = one_wave_shared(gx * gy * gz, plan.shared, limits)
             if shared != plan.shared:
                 plan = plan.with_shared(shared)

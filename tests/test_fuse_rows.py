@@ -143,3 +143,21 @@ def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch):
     assert check_races(read_package(on).manifest) == [] and check_pre_wait(read_package(on)) == []
     idx = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
     _same_decodes(on, off, idx, prompts=(5, 9), model=model)
+
+
+@pytest.mark.parametrize("k, n, scale, programs", [(1, 1, 1.0, 1), (300, 3, 0.5, 1),
+                                                   (300, 37, 1e-20, 10), (2048, 5, 1e17, 3)])
+def test_plain_row_tiles_at_edge_sizes(tmp_path, rows_on, monkeypatch, k, n, scale, programs):
+    """PLAIN_ROW_TILE on a stored RMSNorm row into a GEMV of one, a few and a ragged number of
+    columns (masked rows in a program), K of one element to two steps, ±0.5 and tiny and huge
+    values: fp64 torch's result. 2048 elements a K step: K 300 takes steps of 512 columns, so 4
+    rows a program (37 columns: 10 programs, against 5 at the default 8), K 2048 2 rows (5
+    columns: 3 programs)."""
+    monkeypatch.setattr(fuse_rows, "PLAIN_ROW_TILE", 2048)
+    torch.manual_seed(7)
+    x = torch.randn(1, k) * scale if scale != 0.5 else torch.where(torch.rand(1, k) < 0.5, -0.5, 0.5)
+    path = _check(NormProj(k, n), {"x": x}, tmp_path, tol=1e-5)
+    m = read_package(path).manifest
+    grids = [n_["grid"] for g in m["graphs"] for n_ in g["nodes"]
+             if m["kernels"][n_["kernel"]]["family"] == "matmul"]
+    assert grids == [[programs, 1, 1]]

@@ -51,8 +51,8 @@ def cap_rules(capped, families: list) -> dict:
             "cap-attn": cap_unless(lambda p, lim: families[p.kernel] in ("attention",
                                                                          "attn_combine")),
             "cap-small": cap_unless(lambda p, lim: blocks(p) <= 32),
-            "cap<=2/SM": cap_unless(lambda p, lim: blocks(p) > 2 * lim.sm_count),
-            "cap<=4/SM": cap_unless(lambda p, lim: blocks(p) > 4 * lim.sm_count)}
+            "cap<=2/SM": lambda plans, limits: capped(plans, limits, max_per_sm=2),
+            "cap<=4/SM": lambda plans, limits: capped(plans, limits, max_per_sm=4)}
 
 
 def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: int = 2,

@@ -80,8 +80,8 @@ def _knob_kw(dtype):
 @pytest.mark.parametrize("dtype", [
     pytest.param(torch.float32, marks=pytest.mark.xdist_group("knobs-fp32"), id="dtype0"),
     pytest.param(torch.bfloat16, marks=pytest.mark.xdist_group("knobs-bf16"), id="dtype1")])
-@pytest.mark.parametrize("knob", [
-    pytest.param(k, marks=pytest.mark.xdist_group(f"half{i % 2}")) for i, k in enumerate(sorted(KNOBS))])
+@pytest.mark.parametrize("knob", [pytest.param(k, marks=pytest.mark.xdist_group(f"half{i % 2}"))
+                                  for i, k in enumerate(sorted(KNOBS))])
 def test_decode_knobs_keep_the_logits(tmp_path, knob_baseline, knob, dtype):
     """Split-K GEMVs (the down projection's K 2048 in 2 chunks), the shared residual stream,
     packed grouped-query heads, values loaded with their keys and small GEMVs' weights all
