@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .codegen import next_pow2
+from .codegen import cdiv, next_pow2
 from .families import Matmul
 from .fuse import substitute
 from .fuse_stats import _factor, _foldable, _gemv_reader
@@ -46,6 +46,10 @@ MAX_COLS = 4096   # one block of the row in the reduction's registers
 # 996.0 -> 1005.8, generate() 1.005 -> 1.004. Off. What gained were the GEMVs of few programs
 # (QKV 768, o 512 at 4 rows): a rule by grid, not by row, is the next thing to time.
 PLAIN_ROW_TILE = 0
+# With PLAIN_ROW_TILE set: retile only a GEMV whose grid at its own tile is under this many
+# programs per multiprocessor (None: every such GEMV). At 6 on a 132-SM part, Llama-1B's QKV (768
+# programs) and o projection (512) take 2 rows and its gate+up (4096) keeps 4.
+PLAIN_ROW_MAX_PER_SM = None
 
 
 def store_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel], int]:
@@ -76,16 +80,19 @@ def store_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel
     return kernels, next_index
 
 
-def plain_row_tiles(kernels: list[Kernel]) -> list[Kernel]:
-    """The kernels with every unsplit template GEMV whose row operand is a plain load retiled to
+def plain_row_tiles(kernels: list[Kernel], sm_count: int) -> list[Kernel]:
+    """The kernels with every unsplit template GEMV whose row operand is a plain load, and whose
+    grid is small (PLAIN_ROW_MAX_PER_SM programs per multiprocessor of `sm_count`), retiled to
     PLAIN_ROW_TILE weight elements per program and K step (as a new list). Each program sums its
     own rows over the same K steps in the same order, so the results do not change."""
+    most = None if PLAIN_ROW_MAX_PER_SM is None else PLAIN_ROW_MAX_PER_SM * sm_count
     out = []
     for k in kernels:
         spec = k.spec
         if isinstance(spec, Matmul) and isinstance(spec.a, Load) and spec.stat is None:
             plan = spec.plan
-            if plan.gemv and not plan.programs and plan.split == 1 and not plan.ahead:
+            if plan.gemv and not plan.programs and plan.split == 1 and not plan.ahead \
+                    and (most is None or cdiv(spec.n, plan.bn) < most):
                 bn = min(max(2, PLAIN_ROW_TILE // plan.bk), max(2, next_pow2(spec.n)))
                 k = replace(k, spec=replace(spec, plan=replace(plan, bn=bn)))
         out.append(k)

@@ -103,11 +103,16 @@ def test_a_cached_decoder_decodes_as_eager(tmp_path, rows_on):
         assert err < 1e-5, err
 
 
-def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch):
+@pytest.mark.parametrize("most, sms, retiled", [
+    (None, 132, [64, 32, 96, 2] * 2 + [48]),
+    # one program a multiprocessor on a 2-SM part: only the o projection (1 program) is retiled
+    (1, 2, [2, 32, 3, 2] * 2 + [2])], ids=["every-gemv", "small-grids"])
+def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch, most, sms, retiled):
     """PLAIN_ROW_TILE (off by default): the template GEMVs whose row is a plain vector (the stored
     rows, the attention's output into the o projection) take 2 rows a program, those whose row is
-    an expression (the down projection's SwiGLU) keep theirs, and the decode gives the very logits
-    of the package without it (each program sums its own rows in the same order), race-free."""
+    an expression (the down projection's SwiGLU) keep theirs, and with PLAIN_ROW_MAX_PER_SM only
+    those whose grid is under that many programs per multiprocessor; the decode gives the very
+    logits of the package without it (each program sums its own rows in the same order), race-free."""
     from torch.export import Dim
 
     from grace.aot import compile as grace_compile
@@ -121,12 +126,14 @@ def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch):
                         max_seq=32).eval()
     t = Dim("seq", min=1, max=32)
 
+    monkeypatch.setattr(fuse_rows, "PLAIN_ROW_MAX_PER_SM", most)
+
     def build(name, tile):
         monkeypatch.setattr(fuse_rows, "PLAIN_ROW_TILE", tile)
         return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
                              output=tmp_path / name, progress=False, fp32_matmul="ieee",
                              dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                             buckets={"seq": [1, 32]})
+                             buckets={"seq": [1, 32]}, sm_count={"sm_90": sms})
 
     def gemv_grids(path):
         m = read_package(path).manifest
@@ -139,7 +146,7 @@ def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch):
     # the head (96). K 64 is one step of 64 columns: 4096 elements are 64 rows a program, 128 are
     # 2; the down projection keeps its 32 rows of 128 columns
     assert gemv_grids(off) == [2, 1, 3, 2] * 2 + [2]
-    assert gemv_grids(on) == [64, 32, 96, 2] * 2 + [48]
+    assert gemv_grids(on) == retiled
     assert check_races(read_package(on).manifest) == [] and check_pre_wait(read_package(on)) == []
     idx = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
     _same_decodes(on, off, idx, prompts=(5, 9), model=model)

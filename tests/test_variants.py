@@ -15,6 +15,17 @@ def test_a_variant_parses_to_typed_settings():
     assert v.describe() == "codegen.GEMV_TILE=4096,codegen.GEMV_BK=512"
 
 
+def test_an_optional_constant_takes_a_value_and_none():
+    """A constant that is None by default (fuse_rows.PLAIN_ROW_MAX_PER_SM) takes an int
+    (and None back); an int constant takes no other type, None included."""
+    v = parse_variant("small:fuse_rows.PLAIN_ROW_TILE=2048,fuse_rows.PLAIN_ROW_MAX_PER_SM=6")
+    assert v.settings == (("fuse_rows", "PLAIN_ROW_TILE", 2048), ("fuse_rows", "PLAIN_ROW_MAX_PER_SM", 6))
+    assert parse_variant("back:fuse_rows.PLAIN_ROW_MAX_PER_SM=None").settings[0][2] is None
+    for bad in ("None", "'6'"):
+        with pytest.raises(ValueError, match="is a int"):
+            parse_variant(f"bad:fuse_rows.PLAIN_ROW_TILE={bad}")
+
+
 @pytest.mark.parametrize("text, message", [
     ("gemv", "expected NAME:module.CONSTANT=VALUE"),
     (":codegen.GEMV_TILE=1", "expected NAME"),

@@ -36,7 +36,8 @@ class Variant:
 
 def parse_variant(text: str) -> Variant:
     """'NAME:module.CONSTANT=VALUE[,module.CONSTANT=VALUE...]' -> Variant. VALUE is a Python
-    literal of the constant's own type; the module and constant must exist in grace.aot."""
+    literal of the constant's own type (any type for a constant that is None: an optional
+    setting); the module and constant must exist in grace.aot."""
     name, sep, body = text.partition(":")
     if not sep or not _NAME.match(name) or not body:
         raise ValueError(f"variant {text!r}: expected NAME:module.CONSTANT=VALUE[,...], e.g. "
@@ -55,7 +56,7 @@ def parse_variant(text: str) -> Variant:
         current = getattr(_module(name, module), const, _MISSING)
         if current is _MISSING:
             raise ValueError(f"variant {name}: grace.aot.{module} has no constant {const}")
-        if type(value) is not type(current):
+        if current is not None and type(value) is not type(current):   # None: an optional setting
             raise ValueError(f"variant {name}: {module}.{const} is a {type(current).__name__} "
                              f"({current!r}), not a {type(value).__name__}")
         settings.append((module, const, value))
