@@ -50,6 +50,11 @@ PLAIN_ROW_TILE = 0
 # programs per multiprocessor (None: every such GEMV). At 6 on a 132-SM part, Llama-1B's QKV (768
 # programs) and o projection (512) take 2 rows and its gate+up (4096) keeps 4.
 PLAIN_ROW_MAX_PER_SM = None
+# Weight elements per program per K step for a template GEMV whose row is an expression (0: keep
+# codegen.GEMV_TILE). At 2 rows x 1024 the 1B's down projection lost 46 µs a token (H100,
+# thirtieth session): each program recomputes silu(gate) * up over its K steps, so rows per
+# program divide that work; 8 rows (8192) halves it against the default 4.
+EXPR_ROW_TILE = 0
 
 
 def store_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel], int]:
@@ -80,20 +85,27 @@ def store_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel
     return kernels, next_index
 
 
-def plain_row_tiles(kernels: list[Kernel], sm_count: int) -> list[Kernel]:
-    """The kernels with every unsplit template GEMV whose row operand is a plain load, and whose
-    grid is small (PLAIN_ROW_MAX_PER_SM programs per multiprocessor of `sm_count`), retiled to
-    PLAIN_ROW_TILE weight elements per program and K step (as a new list). Each program sums its
-    own rows over the same K steps in the same order, so the results do not change."""
+def row_tiles(kernels: list[Kernel], sm_count: int) -> list[Kernel]:
+    """The kernels with the template GEMVs retiled by the kind of their row (as a new list):
+    - a plain load, unsplit, whose grid is small (PLAIN_ROW_MAX_PER_SM programs per multiprocessor
+      of `sm_count`): PLAIN_ROW_TILE weight elements per program and K step;
+    - an expression (the down projection's SwiGLU row, recomputed by every program each K step):
+      EXPR_ROW_TILE, fewer programs sharing each recomputed element, split-K kept (its partial
+      rows are per output column, whatever the tile).
+    Each program sums its own rows over the same K steps in the same order, so the results do not
+    change."""
     most = None if PLAIN_ROW_MAX_PER_SM is None else PLAIN_ROW_MAX_PER_SM * sm_count
     out = []
     for k in kernels:
         spec = k.spec
-        if isinstance(spec, Matmul) and isinstance(spec.a, Load) and spec.stat is None:
+        if isinstance(spec, Matmul) and spec.stat is None and spec.partial is None:
             plan = spec.plan
-            if plan.gemv and not plan.programs and plan.split == 1 and not plan.ahead \
-                    and (most is None or cdiv(spec.n, plan.bn) < most):
-                bn = min(max(2, PLAIN_ROW_TILE // plan.bk), max(2, next_pow2(spec.n)))
+            template = plan.gemv and not plan.programs and not plan.ahead
+            plain = isinstance(spec.a, Load)
+            tile = PLAIN_ROW_TILE if plain else EXPR_ROW_TILE
+            if template and tile and (not plain or plan.split == 1 and
+                                      (most is None or cdiv(spec.n, plan.bn) < most)):
+                bn = min(max(2, tile // plan.bk), max(2, next_pow2(spec.n)))
                 k = replace(k, spec=replace(spec, plan=replace(plan, bn=bn)))
         out.append(k)
     return out

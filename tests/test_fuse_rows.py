@@ -103,16 +103,21 @@ def test_a_cached_decoder_decodes_as_eager(tmp_path, rows_on):
         assert err < 1e-5, err
 
 
-@pytest.mark.parametrize("most, sms, retiled", [
-    (None, 132, [64, 32, 96, 2] * 2 + [48]),
+@pytest.mark.parametrize("tile, most, expr, sms, retiled", [
+    (128, None, 0, 132, [64, 32, 96, 2] * 2 + [48]),
     # one program a multiprocessor on a 2-SM part: only the o projection (1 program) is retiled
-    (1, 2, [2, 32, 3, 2] * 2 + [2])], ids=["every-gemv", "small-grids"])
-def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch, most, sms, retiled):
+    (128, 1, 0, 2, [2, 32, 3, 2] * 2 + [2]),
+    # 64 rows of 128 columns for the down projection alone: one program
+    (0, None, 8192, 132, [2, 1, 3, 1] * 2 + [2])],
+    ids=["every-plain-row", "small-grids", "expression-rows"])
+def test_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch, tile, most, expr, sms,
+                                              retiled):
     """PLAIN_ROW_TILE (off by default): the template GEMVs whose row is a plain vector (the stored
     rows, the attention's output into the o projection) take 2 rows a program, those whose row is
     an expression (the down projection's SwiGLU) keep theirs, and with PLAIN_ROW_MAX_PER_SM only
-    those whose grid is under that many programs per multiprocessor; the decode gives the very
-    logits of the package without it (each program sums its own rows in the same order), race-free."""
+    those whose grid is under that many programs per multiprocessor. EXPR_ROW_TILE (off) retiles
+    the expression rows alone. The decode gives the very logits of the package without them (each
+    program sums its own rows in the same order), race-free."""
     from torch.export import Dim
 
     from grace.aot import compile as grace_compile
@@ -128,8 +133,9 @@ def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch, most,
 
     monkeypatch.setattr(fuse_rows, "PLAIN_ROW_MAX_PER_SM", most)
 
-    def build(name, tile):
+    def build(name, tile, expr):
         monkeypatch.setattr(fuse_rows, "PLAIN_ROW_TILE", tile)
+        monkeypatch.setattr(fuse_rows, "EXPR_ROW_TILE", expr)
         return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
                              output=tmp_path / name, progress=False, fp32_matmul="ieee",
                              dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
@@ -141,7 +147,7 @@ def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch, most,
         return [n["grid"][0] for n in decode["nodes"]
                 if m["kernels"][n["kernel"]]["family"] == "matmul"]
 
-    off, on = build("off.grace", 0), build("on.grace", 128)
+    off, on = build("off.grace", 0, 0), build("on.grace", tile, expr)
     # a layer's qkv (128 columns), o (64), gate+up (192) and down (64, K 96: a SwiGLU row), then
     # the head (96). K 64 is one step of 64 columns: 4096 elements are 64 rows a program, 128 are
     # 2; the down projection keeps its 32 rows of 128 columns
@@ -154,7 +160,7 @@ def test_plain_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch, most,
 
 @pytest.mark.parametrize("k, n, scale, programs", [(1, 1, 1.0, 1), (300, 3, 0.5, 1),
                                                    (300, 37, 1e-20, 10), (2048, 5, 1e17, 3)])
-def test_plain_row_tiles_at_edge_sizes(tmp_path, rows_on, monkeypatch, k, n, scale, programs):
+def test_row_tiles_at_edge_sizes(tmp_path, rows_on, monkeypatch, k, n, scale, programs):
     """PLAIN_ROW_TILE on a stored RMSNorm row into a GEMV of one, a few and a ragged number of
     columns (masked rows in a program), K of one element to two steps, ±0.5 and tiny and huge
     values: fp64 torch's result. 2048 elements a K step: K 300 takes steps of 512 columns, so 4
@@ -168,3 +174,35 @@ def test_plain_row_tiles_at_edge_sizes(tmp_path, rows_on, monkeypatch, k, n, sca
     grids = [n_["grid"] for g in m["graphs"] for n_ in g["nodes"]
              if m["kernels"][n_["kernel"]]["family"] == "matmul"]
     assert grids == [[programs, 1, 1]]
+
+
+class SwiGLU(torch.nn.Module):
+    """Llama's MLP on one row: the down projection's row is silu(gate) * up, an expression."""
+
+    def __init__(self, d: int, hidden: int, n: int):
+        super().__init__()
+        self.gate = torch.nn.Linear(d, hidden, bias=False)
+        self.up = torch.nn.Linear(d, hidden, bias=False)
+        self.down = torch.nn.Linear(hidden, n, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("hidden, n, scale, split", [(96, 1, 1.0, 1), (300, 37, 0.5, 1),
+                                                     (8192, 5, 1e-20, 8), (8192, 37, 1e3, 8)])
+def test_expression_row_tiles_at_edge_sizes(tmp_path, monkeypatch, hidden, n, scale, split):
+    """EXPR_ROW_TILE on the down projection of a SwiGLU (its row an expression), with one, a
+    ragged number of columns, and K long enough for split-K (8 K ranges, each summed into its
+    own partial row): 8 rows a program at 1024 columns a step, the split kept, fp64 torch's
+    result. ±0.5 rows, tiny and huge values."""
+    monkeypatch.setattr(fuse_rows, "EXPR_ROW_TILE", 8192)
+    torch.manual_seed(11)
+    x = torch.randn(1, 16) * scale if scale != 0.5 else torch.where(torch.rand(1, 16) < 0.5, -0.5, 0.5)
+    path = _check(SwiGLU(16, hidden, n), {"x": x}, tmp_path, tol=1e-5)
+    m = read_package(path).manifest
+    down = [nd for g in m["graphs"] for nd in g["nodes"]
+            if m["kernels"][nd["kernel"]]["family"] == "matmul"][-1]
+    bk = min(1024, 1 << (hidden - 1).bit_length())
+    rows = min(max(2, 8192 // bk), max(2, 1 << (n - 1).bit_length()))
+    assert down["grid"] == [-(-n // rows), split, 1]
