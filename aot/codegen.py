@@ -629,9 +629,15 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     batch z % batch into the float32 partial row z, which a reduction kernel sums with the
     epilogue (lowering emits it). A GEMV of few output rows and a long K (Llama-3.2-1B's down
     projection: 512 programs walking 8 serial K steps, 2.5 TB/s in the decode graph) gets more
-    programs with fewer steps each, so more weights are in flight."""
+    programs with fewer steps each, so more weights are in flight.
+
+    `spec.pair` (fuse_rows.pair_gemv_rows): each program also streams the weight rows `pair`
+    further on (`bh`, summed into `acc_hi`), so that its epilogue holds a gate and its up side by
+    side and stores silu(gate) * up, the next GEMV's row, instead of both."""
     spec = kernel.spec
     n, k, batch = spec.n, spec.k, spec.batch
+    pair = spec.pair
+    outs = pair or n   # output columns: a paired GEMV's are its first `pair` weight columns
     bn, bk, split = plan.bn, plan.bk, plan.split
     chunk = k // split
     ext = kernel.ext or (None, None, None)
@@ -639,12 +645,14 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     skip_k = k_ext is not None and is_prefix(k_ext)
     even_k = k % bk == 0 and k_ext is None
     ahead = plan.ahead > 0 and not skip_k and cdiv(k, bk) > 1
-    operands = {"a": spec.a, "b": spec.b}
+    operands = {"a": spec.a, "b": spec.b, **({"bh": spec.b} if pair else {})}
     early = [op for op in operands if w.prefetch and not skip_k and _weights_only(operands[op])
              and not (ahead and op == "a")]
 
     def ids():
         w.emit(f"rn = tl.program_id(0) * {bn} + tl.arange(0, {bn})")
+        if pair:
+            w.emit(f"rn_hi = rn + {pair}")
         if split > 1:
             w.emit(f"bz = tl.program_id(1) % {batch}")
             w.emit(f"k_lo = (tl.program_id(1) // {batch}) * {chunk}")
@@ -662,12 +670,13 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
             mask = _mask(w, "mask_a", k_term, b_term)
             ctx = Ctx(w, (batch, 1, k), ["bz", "zero_a", f"{rk}[None, :]"], mask=mask,
                       zero="zero_a")
-        else:
-            n_term = _and_terms(None if n % bn == 0 else f"(rn[:, None] < {n})",
+        else:   # rows rn (`bh`: rn_hi, a paired GEMV's partner rows) of the weights
+            n_term = _and_terms(None if outs % bn == 0 else f"(rn[:, None] < {outs})",
                                 _dim_valid(w, ext[2], "rn[:, None]"))
             mask = _mask(w, "mask_b", k_term, n_term, b_term)
             w.emit(f"zero_b = tl.zeros([{bn}, {bk}], tl.int32)")
-            ctx = Ctx(w, (batch, k, n), ["bz", f"{rk}[None, :]", "rn[:, None]"], mask=mask,
+            rows = "rn_hi" if op == "bh" else "rn"
+            ctx = Ctx(w, (batch, k, n), ["bz", f"{rk}[None, :]", f"{rows}[:, None]"], mask=mask,
                       zero="zero_b")
         value = ExprEmitter(w, acc="stat" if op == "a" else None).value(operands[op], ctx)
         # early K steps' tiles: b_early (the first, its name before there were more), b_early1...
@@ -688,6 +697,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         a = ready.get("a") or operand("a", kk)
         b = "b" if ahead else ready.get("b") or operand("b", kk)
         w.emit(f"acc += {b} * {a}")
+        if pair:
+            w.emit(f"acc_hi += {ready.get('bh') or operand('bh', kk)} * {a}")
         if in_loop:   # the row statistic from the elements this step walks (fuse_stats.py)
             mask = "None" if even_k else _mask(w, "mask_s", f"(rk[None, :] < {k})")
             v = _stat_elements(w, spec, mask)
@@ -722,6 +733,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
     elif spec.stat is not None:
         _row_stat(w, spec)
     w.emit(f"acc = tl.zeros([{bn}, {bk}], tl.float32)")
+    if pair:
+        w.emit(f"acc_hi = tl.zeros([{bn}, {bk}], tl.float32)")
     for i, got in enumerate(ready):
         k_step(f"{lo}{i * bk}", got)
     if early_steps < steps:
@@ -733,26 +746,29 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         k_step(f"{lo}kk", {})
         w.indent -= 2 if skip_k else 1
     w.emit("acc_n = tl.sum(acc, axis=1)")
+    if pair:
+        w.emit("acc_p = tl.sum(acc_hi, axis=1)")
     if in_loop:
         w.emit(f"stat = {REDUCE_FN[spec.stat_op]}(s_acc)")
         scale = ExprEmitter(w, acc="stat").value(spec.stat_scale, Ctx(w, ()))
         w.emit(f"acc_n = acc_n * {scale}")
-    mask = _mask(w, "mask", None if n % bn == 0 else f"(rn < {n})",
+    mask = _mask(w, "mask", None if outs % bn == 0 else f"(rn < {outs})",
                  _dim_valid(w, ext[2], "rn"), _dim_valid(w, ext[0], "bz"))
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
     own = spec.partial is not None   # split-K summed here (aot/fuse_splitk.py): out [batch, 1, n]
     if split > 1 and not own:
         w.emit("bz = tl.program_id(1)")   # partial sums: [split * batch, 1, n], split-major
-    offsets = f"bz * {n} + rn"
-    ctx = Ctx(w, (batch if own else batch * split, 1, n), ["bz", "zero", "rn"],
+    offsets = f"bz * {outs} + rn"
+    ctx = Ctx(w, (batch if own else batch * split, 1, outs), ["bz", "zero", "rn"],
               linear=f"({offsets})", mask=mask, zero="zero")
     if own:
         _reduce_own_splits(w, kernel, "acc_n", f"(tl.program_id(1) // {batch})", offsets,
                            f"bz * {cdiv(n, bn)} + tl.program_id(0)", mask, f"[{bn}]", ctx)
     else:
-        value = ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx)
+        value = ExprEmitter(w, acc="acc_n", partner="acc_p" if pair else None).value(
+            kernel.epilogue, ctx)
         _store(w, kernel, value, ctx, f"[{bn}]")
-    return (cdiv(n, bn), batch * split, 1), GEMV_WARPS, GEMV_STAGES
+    return (cdiv(outs, bn), batch * split, 1), GEMV_WARPS, GEMV_STAGES
 
 
 def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):

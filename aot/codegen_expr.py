@@ -15,8 +15,8 @@ import sympy
 
 from grace.formats.dtypes import POINTER_TYPES
 
-from .ir import (ERRORS, EXTENTS, FLOATS, Acc, Cat, Const, Expr, Index, Load, Op, Reindex, Reshape,
-                 SymValue, compute_dtype, contiguous_strides, is_contiguous, numel)
+from .ir import (ERRORS, EXTENTS, FLOATS, Acc, Cat, Const, Expr, Index, Load, Op, Partner, Reindex,
+                 Reshape, SymValue, compute_dtype, contiguous_strides, is_contiguous, numel)
 from .ops import FLOAT_OPERANDS, SAME_TYPE_OPERANDS, TEMPLATES  # what each Op means
 from .extents import is_static_size
 
@@ -271,9 +271,10 @@ def _literal(value, dtype: str) -> str:
 
 
 class ExprEmitter:
-    def __init__(self, w: Writer, acc: str | None = None):
+    def __init__(self, w: Writer, acc: str | None = None, partner: str | None = None):
         self.w = w
         self.acc = acc
+        self.partner = partner   # a paired GEMV's second sum (ir.Partner)
 
     # -- public -----------------------------------------------------------------------------
     def value(self, expr: Expr, ctx: Ctx) -> str:
@@ -287,6 +288,10 @@ class ExprEmitter:
         w = self.w
         if isinstance(e, Acc):
             return self.acc
+        if isinstance(e, Partner):
+            if self.partner is None:
+                raise TypeError("a partner sum (ir.Partner) outside a paired GEMV's epilogue")
+            return self.partner
         if isinstance(e, Const):
             v = w.var()
             w.emit(f"{v} = tl.full([], {_literal(e.value, e.dtype)}, "

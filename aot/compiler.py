@@ -382,6 +382,9 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
     if fuse_rows.STORE_GEMV_ROWS:
         kernels, index = fuse_rows.store_gemv_rows(kernels, b.program.next_index)
         b.program = dc_replace(b.program, next_index=index)
+    if fuse_rows.PAIR_GATE_UP:
+        kernels, index = fuse_rows.pair_gemv_rows(kernels, b.program.next_index)
+        b.program = dc_replace(b.program, next_index=index)
     if fuse_rows.PLAIN_ROW_TILE or fuse_rows.EXPR_ROW_TILE:
         kernels = fuse_rows.row_tiles(kernels, _target(b, st).sm_count)
     if fuse_append.APPEND_AFTER_ATTENTION:   # with ATTN_KV_BEFORE_WAIT: 1B -2.5%, 8B -1.1% a token

@@ -242,6 +242,10 @@ class Matmul(Spec):
     # splits and stores the epilogue into out ([batch, m, n]). None: out holds the partial sums.
     partial: Buffer | None = None
     arrivals: Buffer | None = None
+    # A paired GEMV (fuse_rows.pair_gemv_rows): out is [batch, 1, pair], n = 2 * pair; each
+    # program sums weight columns j and j + pair for its outputs j, and the epilogue reads the
+    # first as `Acc`, the second as `Partner` (silu(gate) * up, the down projection's row). 0: not.
+    pair: int = 0
 
     def index_spaces(self, out_shape):
         spaces = {"a": (self.batch, self.m, self.k), "b": (self.batch, self.k, self.n)}
@@ -252,6 +256,16 @@ class Matmul(Spec):
         return spaces
 
     def shape_problems(self, out_shape):
+        if self.pair:
+            want = (self.batch, 1, self.pair)
+            problems = [] if tuple(out_shape) == want else [
+                f"out_shape {list(out_shape)} is not [batch, 1, pair] = {list(want)}"]
+            if not (self.plan.gemv and self.m == 1 and self.n == 2 * self.pair and self.plan.split == 1
+                    and not self.plan.programs and not self.plan.ahead and self.partial is None
+                    and self.stat is None):
+                problems.append("a paired matmul is an unsplit template GEMV of n = 2 * pair, "
+                                "with no row statistic")
+            return problems
         if self.partial is not None:
             want = (self.batch, self.m, self.n)
             problems = [] if tuple(out_shape) == want else [

@@ -30,9 +30,9 @@ from dataclasses import replace
 
 from .codegen import cdiv, next_pow2
 from .families import Matmul
-from .fuse import substitute
+from .fuse import replace_nodes, substitute
 from .fuse_stats import _factor, _foldable, _gemv_reader
-from .ir import Buffer, Kernel, Load, Op, contiguous_strides, numel
+from .ir import Acc, Buffer, Const, Kernel, Load, Op, Partner, contiguous_strides, loads, numel, walk
 
 STORE_GEMV_ROWS = True
 MAX_COLS = 4096   # one block of the row in the reduction's registers
@@ -50,6 +50,13 @@ PLAIN_ROW_TILE = 0
 # programs per multiprocessor (None: every such GEMV). At 6 on a 132-SM part, Llama-1B's QKV (768
 # programs) and o projection (512) take 2 rows and its gate+up (4096) keeps 4.
 PLAIN_ROW_MAX_PER_SM = None
+# A gate+up GEMV whose only reader is a GEMV reading it as act(gate) * up (Llama's SwiGLU MLP in a
+# decode step) computes that row in its own epilogue and stores it (pair_gemv_rows): the down
+# projection streams a plain vector instead of recomputing silu(gate) * up in every program and
+# K step. Off until timed: the twenty-fourth session's probe (H100, Llama-1B) took the down GEMV
+# 11.77 -> 10.80 µs with a plain row, lost then to the kernel that stored it.
+PAIR_GATE_UP = False
+
 # Weight elements per program per K step for a template GEMV whose row is an expression (0: keep
 # codegen.GEMV_TILE). At 2 rows x 1024 the 1B's down projection lost 46 µs a token (H100,
 # thirtieth session): each program recomputes silu(gate) * up over its K steps, so rows per
@@ -109,3 +116,66 @@ def row_tiles(kernels: list[Kernel], sm_count: int) -> list[Kernel]:
                 k = replace(k, spec=replace(spec, plan=replace(plan, bn=bn)))
         out.append(k)
     return out
+
+
+def pair_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel], int]:
+    """(the kernels with every gate+up GEMV whose output only a GEMV's row reads, as
+    f(gate) * up, paired: each program sums gate column j beside up column j + n/2 and stores
+    the row's element j; the reader loads that row), the next buffer index). Each program keeps
+    its weight bytes (half the rows, each with its partner) and sums in the same order, so the
+    results are the unpaired package's, up to the row's rounding to its dtype (as eager's)."""
+    kernels = list(kernels)
+    for i, g in enumerate(kernels):
+        spec = g.spec
+        if not _pairable(g):
+            continue
+        readers = [j for j, k in enumerate(kernels) if any(b.index == g.out.index for b in k.reads())]
+        if len(readers) != 1 or readers[0] <= i:
+            continue
+        j = readers[0]
+        d = kernels[j]
+        pair = spec.n // 2
+        if not _reads_halves(d, g.out, pair):
+            continue
+        lo = g.epilogue if g.epilogue.dtype == g.out.dtype else Op("cast", [g.epilogue], g.out.dtype)
+        hi = replace_nodes(lo, lambda node: isinstance(node, Acc), Partner(g.epilogue.dtype))
+        value = replace_nodes(d.spec.a, lambda node: isinstance(node, Load) and node.offset == 0, lo)
+        value = replace_nodes(value, lambda node: isinstance(node, Load), hi)
+        shape = (1, 1, pair)
+        row = Buffer(f"row{next_index}", "arena", d.spec.a.dtype, shape, next_index)
+        next_index += 1
+        plan = replace(spec.plan, bn=max(2, spec.plan.bn // 2))
+        kernels[i] = replace(g, spec=replace(spec, pair=pair, plan=plan), out=row, out_shape=shape,
+                             epilogue=value)
+        kernels[j] = replace(d, spec=replace(d.spec, a=Load(row, 0, contiguous_strides(shape))))
+    return kernels, next_index
+
+
+def _pairable(g: Kernel) -> bool:
+    """An unsplit template GEMV of one row and an even number of columns, into the arena, whose
+    epilogue is arithmetic on its sum alone (so it is the same at a column's partner)."""
+    spec = g.spec
+    if not isinstance(spec, Matmul) or spec.pair or spec.stat is not None or spec.partial is not None:
+        return False
+    plan = spec.plan
+    return (plan.gemv and not plan.programs and plan.split == 1 and not plan.ahead
+            and spec.batch == 1 and spec.m == 1 and spec.n % 2 == 0 and g.out.kind == "arena"
+            and not any(g.ext or ()) and tuple(g.out_shape) in ((1, 1, spec.n), (1, spec.n))
+            and all(isinstance(node, (Acc, Const, Op)) for node in walk(g.epilogue)))
+
+
+def _reads_halves(d: Kernel, buf: Buffer, pair: int) -> bool:
+    """`d` is a one-row GEMV of K `pair` that reads `buf` in its row operand alone, pointwise,
+    each element at its own K index in the first half and the second (a SwiGLU's gate and up)."""
+    spec = d.spec
+    if not isinstance(spec, Matmul) or not spec.plan.gemv or spec.batch != 1 or spec.m != 1 \
+            or spec.k != pair or spec.stat is not None or spec.pair or any(d.ext or ()):
+        return False
+    if any(ld.buf.index == buf.index for e in (d.epilogue, spec.b) for ld in loads(e)):
+        return False
+    nodes = list(walk(spec.a))
+    if not all(isinstance(node, (Load, Const, Op)) for node in nodes):
+        return False
+    got = {node.offset for node in nodes if isinstance(node, Load)}
+    return got == {0, pair} and all(node.buf.index == buf.index and node.strides[-1] == 1
+                                    for node in nodes if isinstance(node, Load))

@@ -172,6 +172,16 @@ class Acc(Expr):
         self.dtype = dtype
 
 
+class Partner(Expr):
+    """In a paired GEMV's epilogue (`Matmul.pair`): the sum at the output index's partner
+    column, `pair` further on (a SwiGLU's up beside its gate), where `Acc` is the index's own."""
+
+    __slots__ = ()
+
+    def __init__(self, dtype: str = "float32"):
+        self.dtype = dtype
+
+
 class Op(Expr):
     """A pointwise operation on children evaluated at the same index. `param` carries e.g. a cast
     target or a scalar exponent."""
@@ -594,6 +604,8 @@ def format_expr(expr: Expr, limit: int | None = None, names: dict | None = None)
             text = f"sym({node.expr})"
         elif isinstance(node, Acc):
             text = f"acc:{_short_dtype(node.dtype)}"
+        elif isinstance(node, Partner):
+            text = f"partner:{_short_dtype(node.dtype)}"
         elif isinstance(node, Op):
             param = f"[{node.param!r}]" if node.param is not None else ""
             text = f"{node.op}{param}:{_short_dtype(node.dtype)}({', '.join(name(a) for a in node.args)})"

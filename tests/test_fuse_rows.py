@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch")
 
 from grace.aot import fuse_rows  # noqa: E402
 from grace.formats import read_package  # noqa: E402
-from grace.formats.races import check_pre_wait  # noqa: E402
+from grace.formats.races import check_pre_wait, check_races  # noqa: E402
 
 from test_fuse_append import _decode, _eager  # noqa: E402
 from test_fuse_stats import CenterProj, NormProj, NormTwice  # noqa: E402
@@ -121,7 +121,6 @@ def test_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch, tile, most,
     from torch.export import Dim
 
     from grace.aot import compile as grace_compile
-    from grace.formats.races import check_races
     from grace.tools.models import CachedLlama
 
     from test_fuse_append import _same_decodes
@@ -206,3 +205,62 @@ def test_expression_row_tiles_at_edge_sizes(tmp_path, monkeypatch, hidden, n, sc
     bk = min(1024, 1 << (hidden - 1).bit_length())
     rows = min(max(2, 8192 // bk), max(2, 1 << (n - 1).bit_length()))
     assert down["grid"] == [-(-n // rows), split, 1]
+
+
+def _paired(path) -> list[list[int]]:
+    """The grids of the package's paired GEMVs (their source sums a partner row)."""
+    pkg = read_package(path)
+    m = pkg.manifest
+    paired = {i for i, k in enumerate(m["kernels"]) if k["family"] == "matmul"
+              and "acc_hi" in bytes(pkg.section(k["source"])).decode()}
+    return [n["grid"] for g in m["graphs"] for n in g["nodes"] if n["kernel"] in paired]
+
+
+@pytest.mark.parametrize("hidden, n, scale", [(1, 1, 1.0), (300, 37, 0.5), (8192, 5, 1e-20),
+                                              (8192, 37, 1e3)])
+def test_paired_gate_up_at_edge_sizes(tmp_path, monkeypatch, hidden, n, scale):
+    """PAIR_GATE_UP on a SwiGLU MLP of one row: the gate+up GEMV stores silu(gate) * up, paired
+    column by column (a hidden size of 1: one pair and a masked row; 300: a ragged last program;
+    8192: the down projection split 8 ways over K, reading the stored row), ±0.5 rows, tiny and
+    huge values: fp64 torch's result."""
+    monkeypatch.setattr(fuse_rows, "PAIR_GATE_UP", True)
+    torch.manual_seed(13)
+    x = torch.randn(1, 16) * scale if scale != 0.5 else torch.where(torch.rand(1, 16) < 0.5, -0.5, 0.5)
+    path = _check(SwiGLU(16, hidden, n), {"x": x}, tmp_path, tol=1e-5)
+    grids = _paired(path)
+    assert len(grids) == 1 and grids[0][1:] == [1, 1], grids
+    assert check_races(read_package(path).manifest) == [] and check_pre_wait(read_package(path)) == []
+
+
+@pytest.mark.parametrize("hidden", [96, 100])
+def test_paired_gate_up_leaves_the_decode_unchanged(tmp_path, monkeypatch, hidden):
+    """PAIR_GATE_UP (off by default) in a Llama decode step: each layer's gate+up GEMV is paired
+    (half the rows a program, each with its partner: the same grid), the down projection reads
+    the stored row, and the logits are the unpaired package's bit for bit in float32 (the same
+    sums in the same order), race-free; prefill's GEMMs are not paired. 100 hidden columns: a
+    ragged last program."""
+    from torch.export import Dim
+
+    from grace.aot import compile as grace_compile
+    from grace.tools.models import CachedLlama
+
+    from test_fuse_append import _same_decodes
+
+    torch.manual_seed(0)
+    model = CachedLlama(vocab=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden=hidden,
+                        max_seq=32).eval()
+    t = Dim("seq", min=1, max=32)
+
+    def build(name, on):
+        monkeypatch.setattr(fuse_rows, "PAIR_GATE_UP", on)
+        return grace_compile(model, (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                             output=tmp_path / name, progress=False, fp32_matmul="ieee",
+                             dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                             buckets={"seq": [1, 32]})
+
+    off, on = build("off.grace", False), build("on.grace", True)
+    assert _paired(off) == []
+    assert _paired(on) == [[-(-hidden // 32), 1, 1]] * 2   # both layers, decode graph only
+    assert check_races(read_package(on).manifest) == [] and check_pre_wait(read_package(on)) == []
+    idx = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    _same_decodes(on, off, idx, prompts=(5, 9), model=model)

@@ -47,6 +47,11 @@ KNOBS = {
     # and the appends stored by the attention itself, no kernels of their own
     "inattn": f"inattn:{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=True,"
               "codegen.ATTN_KV_BEFORE_WAIT=True,fuse_append.APPEND_IN_ATTENTION=True",
+    # the gate+up GEMVs store silu(gate) * up for the down projections (aot/fuse_rows.py)
+    "pair": f"pair:{_OFF},fuse_rows.PAIR_GATE_UP=True",
+    # GEMV tiles by the row's kind: 2 rows where the grid is small, 8 where the row is an expression
+    "rowtiles": f"rowtiles:{_OFF},fuse_rows.PLAIN_ROW_TILE=2048,fuse_rows.PLAIN_ROW_MAX_PER_SM=6,"
+                "fuse_rows.EXPR_ROW_TILE=8192",
 }
 
 
