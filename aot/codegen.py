@@ -752,6 +752,8 @@ def _gemv(kernel: Kernel, w: Writer, plan: GemmPlan):
         w.emit(f"stat = {REDUCE_FN[spec.stat_op]}(s_acc)")
         scale = ExprEmitter(w, acc="stat").value(spec.stat_scale, Ctx(w, ()))
         w.emit(f"acc_n = acc_n * {scale}")
+        if pair:
+            w.emit(f"acc_p = acc_p * {scale}")
     mask = _mask(w, "mask", None if outs % bn == 0 else f"(rn < {outs})",
                  _dim_valid(w, ext[2], "rn"), _dim_valid(w, ext[0], "bz"))
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
@@ -785,13 +787,18 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
 
     `plan.split` (GEMV_PERSISTENT_SPLIT_MIN_K): K in `split` even chunks; program (i, z) holds
     chunk z // batch of batch row z % batch and stores its partial sums at row z, which the
-    split-K reduction (lowering emits it) sums with the epilogue, as the template's split does."""
+    split-K reduction (lowering emits it) sums with the epilogue, as the template's split does.
+
+    `spec.pair`: each tile's weight rows `pair` further on come with it (`b_hi`), as in the
+    template (_gemv)."""
     spec = kernel.spec
     n, k, batch, split = spec.n, spec.k, spec.batch, plan.split
     bn, kp, programs = plan.bn, plan.bk, plan.programs
+    pair = spec.pair
+    outs = pair or n   # output columns: a paired GEMV's are its first `pair` weight columns
     chunk = k // split
     ext = kernel.ext or (None, None, None)
-    turns = cdiv(cdiv(n, bn), programs)
+    turns = cdiv(cdiv(outs, bn), programs)
 
     # asked for where they are used: a dynamic extent comes from the table, which the code before
     # gdc_wait() must not read (Writer raises NotBeforeWait there, and the kernel is generated
@@ -819,12 +826,16 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
         w.emit(f"zero_b = tl.zeros([{bn}, {kp}], tl.int32)")
 
     def weights():   # the tile at rn_next into b_next; the tile past the last loads nothing
-        n_term = _and_terms(f"(rn_next[:, None] < {n})", _dim_valid(w, ext[2], "rn_next[:, None]"))
+        n_term = _and_terms(f"(rn_next[:, None] < {outs})",
+                            _dim_valid(w, ext[2], "rn_next[:, None]"))
         mask = _mask(w, "mask_b", k_term(), n_term, b_term())
-        ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", "rn_next[:, None]"], mask=mask,
-                  zero="zero_b")
         cast = "" if GEMV_PERSISTENT_CAST_LATE else ".to(tl.float32)"
-        w.emit(f"b_next = {_masked(ExprEmitter(w).value(spec.b, ctx), mask)}{cast}")
+        if pair:
+            w.emit(f"rn_next_hi = rn_next + {pair}")
+        for var, rows in (("b_next", "rn_next"), ("b_next_hi", "rn_next_hi"))[:2 if pair else 1]:
+            ctx = Ctx(w, (batch, k, n), ["bz", "rk[None, :]", f"{rows}[:, None]"], mask=mask,
+                      zero="zero_b")
+            w.emit(f"{var} = {_masked(ExprEmitter(w).value(spec.b, ctx), mask)}{cast}")
 
     if early:
         with w.before_wait():
@@ -854,17 +865,22 @@ def _gemv_persistent(kernel: Kernel, w: Writer, plan: GemmPlan):
     w.indent += 1
     w.emit(f"rn = (tl.program_id(0) + turn * {programs}) * {bn} + tl.arange(0, {bn})")
     w.emit("b = b_next")
+    if pair:
+        w.emit("b_hi = b_next_hi")
     w.emit(f"rn_next = rn + {programs * bn}")
     weights()
-    w.emit("acc_n = tl.sum(b.to(tl.float32) * a, axis=1)" if GEMV_PERSISTENT_CAST_LATE else
-           "acc_n = tl.sum(b * a, axis=1)")
-    if scale is not None:
-        w.emit("acc_n = acc_n * scale")
-    mask = _mask(w, "mask", f"(rn < {n})", _dim_valid(w, ext[2], "rn"), b_term())
+    for acc, b in (("acc_n", "b"), ("acc_p", "b_hi"))[:2 if pair else 1]:
+        w.emit(f"{acc} = tl.sum({b}.to(tl.float32) * a, axis=1)" if GEMV_PERSISTENT_CAST_LATE
+               else f"{acc} = tl.sum({b} * a, axis=1)")
+        if scale is not None:
+            w.emit(f"{acc} = {acc} * scale")
+    mask = _mask(w, "mask", f"(rn < {outs})", _dim_valid(w, ext[2], "rn"), b_term())
     w.emit(f"zero = tl.zeros([{bn}], tl.int32)")
-    ctx = Ctx(w, (out_rows, 1, n), [out_z, "zero", "rn"], linear=f"({out_z} * {n} + rn)",
+    ctx = Ctx(w, (out_rows, 1, outs), [out_z, "zero", "rn"], linear=f"({out_z} * {outs} + rn)",
               mask=mask, zero="zero")
-    _store(w, kernel, ExprEmitter(w, acc="acc_n").value(kernel.epilogue, ctx), ctx, f"[{bn}]")
+    value = ExprEmitter(w, acc="acc_n", partner="acc_p" if pair else None).value(kernel.epilogue,
+                                                                                   ctx)
+    _store(w, kernel, value, ctx, f"[{bn}]")
     w.indent -= 1
     return (programs, batch * split, 1), plan.warps or GEMV_PERSISTENT_WARPS, 1
 
@@ -1021,8 +1037,10 @@ GEMV_PREFETCH_STEPS = 1   # K steps of its weights a GEMV loads before gdc_wait(
 # 7.8 µs a token but its attention lost 7.2 and the big GEMVs 4.8: run() 0.862 -> 0.865 ms
 # (docs/performance.md, fourteenth session). At 8 MB (the o projections only) an H100 gained
 # 8.8 and 11.1 µs of span a token, run() -1.9% and -1.1% (twenty-fourth and twenty-ninth
-# sessions). Off until an H200 run of the 8 MB setting decides it.
-GEMV_PREFETCH_ALL_MAX_BYTES = 0
+# sessions). On the H200 at 8 MB (thirty-first session): span 791.5 -> 783.9 µs, run() 0.837 ->
+# 0.819, generate() 0.796 -> 0.790 ms/token; with fuse_rows.PAIR_GATE_UP 774.6 -> 767.8 µs and
+# generate() 0.789 -> 0.769. On: it reaches only decode GEMVs (M = 1) of at most 8 MB.
+GEMV_PREFETCH_ALL_MAX_BYTES = 8 << 20
 GEMV_BK = 1024     # K step: the columns of a weight row a program loads per step
 GEMV_WARPS = 4
 GEMV_STAGES = 1

@@ -260,11 +260,10 @@ class Matmul(Spec):
             want = (self.batch, 1, self.pair)
             problems = [] if tuple(out_shape) == want else [
                 f"out_shape {list(out_shape)} is not [batch, 1, pair] = {list(want)}"]
-            if not (self.plan.gemv and self.m == 1 and self.n == 2 * self.pair and self.plan.split == 1
-                    and not self.plan.programs and not self.plan.ahead and self.partial is None
-                    and self.stat is None):
-                problems.append("a paired matmul is an unsplit template GEMV of n = 2 * pair, "
-                                "with no row statistic")
+            if not (self.plan.gemv and self.m == 1 and self.n == 2 * self.pair
+                    and self.plan.split == 1 and not self.plan.ahead and self.partial is None):
+                problems.append("a paired matmul is an unsplit GEMV of n = 2 * pair that loads "
+                                "no weights ahead")
             return problems
         if self.partial is not None:
             want = (self.batch, self.m, self.n)

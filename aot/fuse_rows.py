@@ -23,6 +23,14 @@ Timed on an H100 (Llama-1B, docs/performance.md). Twenty-fourth session: the gat
 (one more trip to memory at the end of the kernel the GEMV waits for). Twenty-fifth session, the
 weight loaded before gdc_wait(): the means back at 1.05 µs, GPU span 1022.8 -> 1009.4 µs,
 generate() 1.028 -> 1.008 ms/token. On.
+
+The down projection's row, silu(gate) * up, has no reduction to store it: the gate+up GEMV
+stores it (`PAIR_GATE_UP`, on; `pair_gemv_rows`). Its programs take gate column j and up column
+j + n/2 side by side (`Matmul.pair`: a second accumulator over the partner weight rows, read in
+the epilogue as `ir.Partner`), so the epilogue holds both and stores the row's element j. The
+weights keep their layout, so prefill's GEMMs are untouched. H200, Llama-1B (thirty-first
+session): the down GEMVs 9.49 -> 8.6 µs each, GPU span -15 to -17 µs a token. The tile knobs
+after it (`PLAIN_ROW_TILE`, `EXPR_ROW_TILE`) were timed and lost; they stay, off, for A/B runs.
 """
 from __future__ import annotations
 
@@ -53,9 +61,16 @@ PLAIN_ROW_MAX_PER_SM = None
 # A gate+up GEMV whose only reader is a GEMV reading it as act(gate) * up (Llama's SwiGLU MLP in a
 # decode step) computes that row in its own epilogue and stores it (pair_gemv_rows): the down
 # projection streams a plain vector instead of recomputing silu(gate) * up in every program and
-# K step. Off until timed: the twenty-fourth session's probe (H100, Llama-1B) took the down GEMV
-# 11.77 -> 10.80 µs with a plain row, lost then to the kernel that stored it.
-PAIR_GATE_UP = False
+# K step. The twenty-fourth session's probe (H100, Llama-1B) took the down GEMV 11.77 -> 10.80 µs
+# with a plain row, lost then to a kernel of its own that stored it; here no kernel is added.
+# H200, Llama-1B (docs/performance.md, thirty-first session): span 791.5 -> 776.2 and 792.1 ->
+# 774.6 µs a token, run() 0.837 -> 0.817 and 0.831 -> 0.814 ms; generate() 0.796 -> 0.795 and
+# 0.796 -> 0.789. On.
+PAIR_GATE_UP = True
+# ...the persistent GEMV too (codegen._gemv_persistent: Llama-3-8B's gate+up, K 4096, its RMSNorm's
+# mean folded in), whose reader, the 8B's down projection (K 14336), is the template. Built in
+# the thirty-first session after its H200 time was spent: untimed, so off.
+PAIR_PERSISTENT = False
 
 # Weight elements per program per K step for a template GEMV whose row is an expression (0: keep
 # codegen.GEMV_TILE). At 2 rows x 1024 the 1B's down projection lost 46 µs a token (H100,
@@ -129,7 +144,8 @@ def pair_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel]
         spec = g.spec
         if not _pairable(g):
             continue
-        readers = [j for j, k in enumerate(kernels) if any(b.index == g.out.index for b in k.reads())]
+        readers = [j for j, k in enumerate(kernels)
+                   if any(b.index == g.out.index for b in k.reads())]
         if len(readers) != 1 or readers[0] <= i:
             continue
         j = readers[0]
@@ -137,10 +153,13 @@ def pair_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel]
         pair = spec.n // 2
         if not _reads_halves(d, g.out, pair):
             continue
-        lo = g.epilogue if g.epilogue.dtype == g.out.dtype else Op("cast", [g.epilogue], g.out.dtype)
+        # the row as the reader computed it, from the values the GEMV would have stored
+        lo = g.epilogue if g.epilogue.dtype == g.out.dtype \
+            else Op("cast", [g.epilogue], g.out.dtype)
         hi = replace_nodes(lo, lambda node: isinstance(node, Acc), Partner(g.epilogue.dtype))
-        value = replace_nodes(d.spec.a, lambda node: isinstance(node, Load) and node.offset == 0, lo)
-        value = replace_nodes(value, lambda node: isinstance(node, Load), hi)
+        value = replace_nodes(d.spec.a, lambda node: isinstance(node, Load) and node.offset == 0,
+                              lo)
+        value = replace_nodes(value, lambda node: isinstance(node, Load), hi)   # at offset pair
         shape = (1, 1, pair)
         row = Buffer(f"row{next_index}", "arena", d.spec.a.dtype, shape, next_index)
         next_index += 1
@@ -152,13 +171,15 @@ def pair_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel]
 
 
 def _pairable(g: Kernel) -> bool:
-    """An unsplit template GEMV of one row and an even number of columns, into the arena, whose
+    """An unsplit GEMV (the template, or the persistent one of the 8B's K 4096, its RMSNorm's
+    statistic folded in or not) of one row and an even number of columns, into the arena, whose
     epilogue is arithmetic on its sum alone (so it is the same at a column's partner)."""
     spec = g.spec
-    if not isinstance(spec, Matmul) or spec.pair or spec.stat is not None or spec.partial is not None:
+    if not isinstance(spec, Matmul) or spec.pair or spec.partial is not None:
         return False
     plan = spec.plan
-    return (plan.gemv and not plan.programs and plan.split == 1 and not plan.ahead
+    return (plan.gemv and plan.split == 1 and not plan.ahead
+            and (not plan.programs or PAIR_PERSISTENT)
             and spec.batch == 1 and spec.m == 1 and spec.n % 2 == 0 and g.out.kind == "arena"
             and not any(g.ext or ()) and tuple(g.out_shape) in ((1, 1, spec.n), (1, spec.n))
             and all(isinstance(node, (Acc, Const, Op)) for node in walk(g.epilogue)))

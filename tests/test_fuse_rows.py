@@ -131,6 +131,7 @@ def test_row_tiles_retile_and_change_no_value(tmp_path, monkeypatch, tile, most,
     t = Dim("seq", min=1, max=32)
 
     monkeypatch.setattr(fuse_rows, "PLAIN_ROW_MAX_PER_SM", most)
+    monkeypatch.setattr(fuse_rows, "PAIR_GATE_UP", False)   # keep the down projection's SwiGLU row
 
     def build(name, tile, expr):
         monkeypatch.setattr(fuse_rows, "PLAIN_ROW_TILE", tile)
@@ -196,6 +197,7 @@ def test_expression_row_tiles_at_edge_sizes(tmp_path, monkeypatch, hidden, n, sc
     own partial row): 8 rows a program at 1024 columns a step, the split kept, fp64 torch's
     result. ±0.5 rows, tiny and huge values."""
     monkeypatch.setattr(fuse_rows, "EXPR_ROW_TILE", 8192)
+    monkeypatch.setattr(fuse_rows, "PAIR_GATE_UP", False)   # the row stays an expression
     torch.manual_seed(11)
     x = torch.randn(1, 16) * scale if scale != 0.5 else torch.where(torch.rand(1, 16) < 0.5, -0.5, 0.5)
     path = _check(SwiGLU(16, hidden, n), {"x": x}, tmp_path, tol=1e-5)
@@ -207,13 +209,19 @@ def test_expression_row_tiles_at_edge_sizes(tmp_path, monkeypatch, hidden, n, sc
     assert down["grid"] == [-(-n // rows), split, 1]
 
 
+def _paired_sources(pkg) -> dict[int, str]:
+    """Kernel index -> source, for the package's paired GEMVs (the template sums a partner row
+    into acc_hi, the persistent one loads b_next_hi)."""
+    sources = {i: bytes(pkg.section(k["source"])).decode()
+               for i, k in enumerate(pkg.manifest["kernels"]) if k["family"] == "matmul"}
+    return {i: src for i, src in sources.items() if "acc_hi" in src or "b_next_hi" in src}
+
+
 def _paired(path) -> list[list[int]]:
-    """The grids of the package's paired GEMVs (their source sums a partner row)."""
+    """The grids of the package's paired GEMVs."""
     pkg = read_package(path)
-    m = pkg.manifest
-    paired = {i for i, k in enumerate(m["kernels"]) if k["family"] == "matmul"
-              and "acc_hi" in bytes(pkg.section(k["source"])).decode()}
-    return [n["grid"] for g in m["graphs"] for n in g["nodes"] if n["kernel"] in paired]
+    paired = _paired_sources(pkg)
+    return [n["grid"] for g in pkg.manifest["graphs"] for n in g["nodes"] if n["kernel"] in paired]
 
 
 @pytest.mark.parametrize("hidden, n, scale", [(1, 1, 1.0), (300, 37, 0.5), (8192, 5, 1e-20),
@@ -234,7 +242,7 @@ def test_paired_gate_up_at_edge_sizes(tmp_path, monkeypatch, hidden, n, scale):
 
 @pytest.mark.parametrize("hidden", [96, 100])
 def test_paired_gate_up_leaves_the_decode_unchanged(tmp_path, monkeypatch, hidden):
-    """PAIR_GATE_UP (off by default) in a Llama decode step: each layer's gate+up GEMV is paired
+    """PAIR_GATE_UP (on by default) in a Llama decode step: each layer's gate+up GEMV is paired
     (half the rows a program, each with its partner: the same grid), the down projection reads
     the stored row, and the logits are the unpaired package's bit for bit in float32 (the same
     sums in the same order), race-free; prefill's GEMMs are not paired. 100 hidden columns: a
@@ -264,3 +272,51 @@ def test_paired_gate_up_leaves_the_decode_unchanged(tmp_path, monkeypatch, hidde
     assert check_races(read_package(on).manifest) == [] and check_pre_wait(read_package(on)) == []
     idx = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(3))
     _same_decodes(on, off, idx, prompts=(5, 9), model=model)
+
+
+class NormSwiGLU(torch.nn.Module):
+    """An RMSNorm, then Llama's MLP on one row: at K 2049-4096 (the 8B's 4096) the gate+up GEMV
+    is the persistent one, the norm's mean folded into it (fuse_stats.FOLD_INTO_PERSISTENT)."""
+
+    def __init__(self, d: int, hidden: int, n: int):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(d, eps=1e-5)
+        self.mlp = SwiGLU(d, hidden, n)
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        return self.mlp(self.norm(x))
+
+
+@pytest.mark.parametrize("model, k, fold", [("swiglu", 3000, False), ("norm", 2560, True),
+                                            ("norm", 2560, False)])
+def test_paired_persistent_gemv(tmp_path, monkeypatch, model, k, fold):
+    """PAIR_PERSISTENT (off by default, untimed): the gate+up GEMV paired when it is the
+    persistent one (K 3000: a masked last column block), with the RMSNorm's statistic folded
+    into it or reduced by a kernel of its own: fp64 torch's result, race-free, and the
+    persistent source walks both halves."""
+    from grace.aot import fuse_stats
+
+    monkeypatch.setattr(fuse_stats, "FOLD_INTO_PERSISTENT", fold)
+    monkeypatch.setattr(fuse_rows, "PAIR_PERSISTENT", True)
+    torch.manual_seed(17)
+    net = SwiGLU(k, 300, 37) if model == "swiglu" else NormSwiGLU(k, 300, 37)
+    path = _check(net, {"x": torch.randn(1, k)}, tmp_path, tol=1e-5)
+    pkg = read_package(path)
+    paired = list(_paired_sources(pkg).values())
+    assert len(_paired(path)) == 1 and len(paired) == 1
+    assert "b_next_hi" in paired[0] and "for turn in range" in paired[0]   # persistent
+    if fold:
+        assert "stat" in paired[0] and "reduction" not in _kernels(path)
+    assert check_races(pkg.manifest) == [] and check_pre_wait(pkg) == []
+
+
+def test_the_persistent_gemv_is_not_paired_by_default(tmp_path):
+    """PAIR_GATE_UP is on and PAIR_PERSISTENT off: a K-4096-like gate+up stays unpaired (and
+    still matches fp64 torch), while a K-16 one (the template) is paired."""
+    assert fuse_rows.PAIR_GATE_UP is True and fuse_rows.PAIR_PERSISTENT is False
+    torch.manual_seed(19)
+    wide = _check(SwiGLU(3000, 300, 37), {"x": torch.randn(1, 3000)}, tmp_path / "w", tol=1e-5)
+    narrow = _check(SwiGLU(16, 300, 37), {"x": torch.randn(1, 16)}, tmp_path / "n", tol=1e-5)
+    assert _paired(wide) == [] and len(_paired(narrow)) == 1

@@ -140,6 +140,7 @@ def test_weights_of_several_k_steps_load_before_the_wait(tmp_path, monkeypatch):
     from grace.formats.races import check_pre_wait
 
     monkeypatch.setattr(codegen, "GEMV_PREFETCH_STEPS", 2)
+    monkeypatch.setattr(codegen, "GEMV_PREFETCH_ALL_MAX_BYTES", 0)   # not every step: 288 KB
     monkeypatch.setattr(codegen, "GEMV_PERSISTENT_MAX_K", 0)   # the template, not persistent
     torch.manual_seed(5)
     path = _check(Proj(3000, 24, bias=False), {"x": torch.randn(1, 3000)}, tmp_path, tol=1e-5)
@@ -269,9 +270,11 @@ def test_persistent_tiles_widened_at_the_multiply(tmp_path, monkeypatch):
 
 @pytest.fixture
 def gemv_split(monkeypatch):
-    """Split-K GEMVs (off by default: codegen.GEMV_SPLIT_MIN_K) for K >= 8192."""
+    """Split-K GEMVs (off by default: codegen.GEMV_SPLIT_MIN_K) for K >= 8192, and only
+    GEMV_PREFETCH_STEPS of each chunk before the wait (not all of a small GEMV's weights)."""
     from grace.aot import codegen
     monkeypatch.setattr(codegen, "GEMV_SPLIT_MIN_K", 8192)
+    monkeypatch.setattr(codegen, "GEMV_PREFETCH_ALL_MAX_BYTES", 0)
 
 
 def test_split_gemv_sums_partials_in_a_reduction(tmp_path, gemv_split):

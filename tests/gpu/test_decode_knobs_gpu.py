@@ -26,7 +26,8 @@ from test_generate_gpu import MAX_SEQ, NEW, _compile, _logits_and_tokens, _rel  
 # a package with all of them off (the split-K GEMV's default K, 8192, is past this model's 2048)
 _ATTN_OFF = "lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,codegen.ATTN_V_EARLY=False"
 _OFF = (f"{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=False,"
-        "codegen.ATTN_KV_BEFORE_WAIT=False")
+        "codegen.ATTN_KV_BEFORE_WAIT=False,fuse_rows.PAIR_GATE_UP=False,"
+        "codegen.GEMV_PREFETCH_ALL_MAX_BYTES=0")
 KNOBS_OFF = f"off:{_OFF}"
 KNOBS = {
     "split": "split:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,"
