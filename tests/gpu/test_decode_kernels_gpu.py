@@ -102,7 +102,8 @@ class MlpStep(torch.nn.Module):
         return self.out(self.mid(x))
 
 
-@pytest.mark.parametrize("form", ["long-row", "persistent-split", "persistent-split-sums"])
+@pytest.mark.parametrize("form", ["long-row", "persistent-split", "persistent-split-sums",
+                                  "paired-persistent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
     """Each GEMV form behind programmatic edges, 100 calls with fresh inputs in a NaN-poisoned
@@ -111,10 +112,14 @@ def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
     would: the long-row form (the comment at codegen.GEMV_PERSISTENT_MIN_K), or the persistent
     form over 2 K chunks of 2500 whose partial rows a reduction sums
     (codegen.GEMV_PERSISTENT_SPLIT_MIN_K); `-sums`: those partial rows and the residual added
-    by the K-4096 GEMV after it where it loads its row (fuse_sums.INLINE_SPLIT_SUMS)."""
-    from grace.aot import codegen, fuse_sums
+    by the K-4096 GEMV after it where it loads its row (fuse_sums.INLINE_SPLIT_SUMS);
+    `paired-persistent`: the persistent gate+up stores silu(gate) * up for the down projection
+    (fuse_rows.PAIR_PERSISTENT, off by default)."""
+    from grace.aot import codegen, fuse_rows, fuse_sums
     if form == "long-row":
         monkeypatch.setattr(codegen, "GEMV_LONG_K", 4096)
+    elif form == "paired-persistent":
+        monkeypatch.setattr(fuse_rows, "PAIR_PERSISTENT", True)
     else:
         monkeypatch.setattr(codegen, "GEMV_PERSISTENT_SPLIT_MIN_K", 4097)
     monkeypatch.setattr(fuse_sums, "INLINE_SPLIT_SUMS", form.endswith("-sums"))
@@ -133,6 +138,7 @@ def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
                         for k in pkg.manifest["kernels"] if k["family"] == "matmul")
     assert "for turn in range(" in sources and "b = b_next" in sources
     assert "stat = tl.sum(" in sources   # the RMSNorm's mean inside gate+up (FOLD_INTO_PERSISTENT)
+    assert ("b_next_hi" in sources) == (form == "paired-persistent")
     if form.startswith("persistent-split"):
         assert "rk = (tl.program_id(1) // 1) * 2500 + rc" in sources
         families = [k["family"] for k in pkg.manifest["kernels"]]
