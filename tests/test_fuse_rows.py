@@ -320,3 +320,25 @@ def test_the_persistent_gemv_is_not_paired_by_default(tmp_path):
     wide = _check(SwiGLU(3000, 300, 37), {"x": torch.randn(1, 3000)}, tmp_path / "w", tol=1e-5)
     narrow = _check(SwiGLU(16, 300, 37), {"x": torch.randn(1, 16)}, tmp_path / "n", tol=1e-5)
     assert _paired(wide) == [] and len(_paired(narrow)) == 1
+
+
+def test_a_paired_matmul_states_its_shape_rules():
+    """Matmul.pair's rules, as the IR verifier reads them: out is [batch, 1, pair], and only an
+    unsplit GEMV of n = 2 * pair that loads no weights ahead may pair."""
+    from dataclasses import replace
+
+    from grace.aot.codegen import GemmPlan
+    from grace.aot.families import Matmul
+    from grace.aot.ir import Buffer, Load
+
+    a = Load(Buffer("row", "arena", "float32", (1, 1, 64), 1), 0, (64, 64, 1))
+    b = Load(Buffer("w", "weight", "float32", (192, 64), 2), 0, (0, 1, 64))
+    spec = Matmul(a=a, b=b, m=1, n=192, k=64, batch=1, fp32_precision="ieee",
+                  plan=GemmPlan(1, 32, 64, 1, gemv=True), k_ext=None, pair=96)
+    assert spec.shape_problems((1, 1, 96)) == []
+    assert "is not [batch, 1, pair]" in spec.shape_problems((1, 1, 192))[0]
+    for bad in (replace(spec, n=190), replace(spec, plan=replace(spec.plan, split=2)),
+                replace(spec, plan=replace(spec.plan, ahead=1)),
+                replace(spec, plan=replace(spec.plan, gemv=False))):
+        assert bad.shape_problems((1, 1, 96)) == [
+            "a paired matmul is an unsplit GEMV of n = 2 * pair that loads no weights ahead"]
