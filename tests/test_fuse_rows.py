@@ -342,3 +342,19 @@ def test_a_paired_matmul_states_its_shape_rules():
                 replace(spec, plan=replace(spec.plan, gemv=False))):
         assert bad.shape_problems((1, 1, 96)) == [
             "a paired matmul is an unsplit GEMV of n = 2 * pair that loads no weights ahead"]
+
+
+@pytest.mark.parametrize("k", [300, 2048])
+def test_paired_template_gemv_with_its_norm_folded(tmp_path, k):
+    """With the `fold_row_stats` option the gate+up template GEMV reduces its RMSNorm's mean
+    itself (in its K loop, the sums scaled at the end: K 2048 is two steps; K 300 one ragged
+    step) and is paired: the partner sums take the same scale. fp64 torch's result, race-free."""
+    torch.manual_seed(23)
+    path = _check(NormSwiGLU(k, 300, 37), {"x": torch.randn(1, k)}, tmp_path, tol=1e-5,
+                  fold_row_stats=True)
+    pkg = read_package(path)
+    paired = list(_paired_sources(pkg).values())
+    assert len(paired) == 1 and "acc_hi" in paired[0] and "s_acc" in paired[0]
+    assert "acc_p = acc_p * " in paired[0]   # the partner sums scaled as the own ones
+    assert "reduction" not in _kernels(path)   # the mean went into the GEMV
+    assert check_races(pkg.manifest) == [] and check_pre_wait(pkg) == []
