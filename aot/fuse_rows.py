@@ -38,7 +38,7 @@ from dataclasses import replace
 
 from .codegen import cdiv, next_pow2
 from .families import Matmul
-from .fuse import replace_nodes, substitute
+from .fuse import _readers, replace_nodes, substitute
 from .fuse_stats import _factor, _foldable, _gemv_reader
 from .ir import Acc, Buffer, Const, Kernel, Load, Op, Partner, contiguous_strides, loads, numel, walk
 
@@ -52,11 +52,13 @@ MAX_COLS = 4096   # one block of the row in the reduction's registers
 # down projection (a SwiGLU row, an expression) 187.2 -> 233.6; this knob at 2048, QKV 67.0 ->
 # 61.9, o 83.1 -> 77.8, but gate+up 348.2 -> 364.3 and the down after it 185.1 -> 190.6: span
 # 996.0 -> 1005.8, generate() 1.005 -> 1.004. Off. What gained were the GEMVs of few programs
-# (QKV 768, o 512 at 4 rows): a rule by grid, not by row, is the next thing to time.
+# (QKV 768, o 512 at 4 rows), so the rule by grid below was timed next, and lost too.
 PLAIN_ROW_TILE = 0
 # With PLAIN_ROW_TILE set: retile only a GEMV whose grid at its own tile is under this many
 # programs per multiprocessor (None: every such GEMV). At 6 on a 132-SM part, Llama-1B's QKV (768
-# programs) and o projection (512) take 2 rows and its gate+up (4096) keeps 4.
+# programs) and o projection (512) take 2 rows and its gate+up (4096) keeps 4: on the H200 (with
+# PLAIN_ROW_TILE 2048, thirty-first session) span 791.5 -> 820.7 µs a token, generate() 0.796 ->
+# 0.823 ms. Off.
 PLAIN_ROW_MAX_PER_SM = None
 # A gate+up GEMV whose only reader is a GEMV reading it as act(gate) * up (Llama's SwiGLU MLP in a
 # decode step) computes that row in its own epilogue and stores it (pair_gemv_rows): the down
@@ -75,7 +77,9 @@ PAIR_PERSISTENT = False
 # Weight elements per program per K step for a template GEMV whose row is an expression (0: keep
 # codegen.GEMV_TILE). At 2 rows x 1024 the 1B's down projection lost 46 µs a token (H100,
 # thirtieth session): each program recomputes silu(gate) * up over its K steps, so rows per
-# program divide that work; 8 rows (8192) halves it against the default 4.
+# program divide that work; 8 rows (8192) halves it against the default 4. H200, thirty-first
+# session, at 8192: span 791.5 -> 804.8 µs a token, generate() 0.796 -> 0.807 ms. Off (and since
+# PAIR_GATE_UP the down projection's row is a plain vector).
 EXPR_ROW_TILE = 0
 
 
@@ -140,12 +144,12 @@ def pair_gemv_rows(kernels: list[Kernel], next_index: int) -> tuple[list[Kernel]
     its weight bytes (half the rows, each with its partner) and sums in the same order, so the
     results are the unpaired package's, up to the row's rounding to its dtype (as eager's)."""
     kernels = list(kernels)
+    read_by = _readers(kernels)   # a pairing moves its reader onto a new buffer: no other changes
     for i, g in enumerate(kernels):
         spec = g.spec
         if not _pairable(g):
             continue
-        readers = [j for j, k in enumerate(kernels)
-                   if any(b.index == g.out.index for b in k.reads())]
+        readers = read_by.get(g.out.index, [])
         if len(readers) != 1 or readers[0] <= i:
             continue
         j = readers[0]

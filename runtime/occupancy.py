@@ -68,7 +68,9 @@ def one_wave_shared(blocks: int, shared: int, limits: SharedLimits) -> int:
 # H100, one process a shape, generate() ms/token (tools/wave_cap_ab.py, docs/performance.md,
 # thirtieth session): Llama-1B 1.0119 / 1.0089 with the cap on every programmatic node, 1.0070 /
 # 1.0064 with it up to 2 programs per multiprocessor; Llama-8B 5.347 -> 5.327 (no cap: 1.012 and
-# 5.358; up to 4: 1.016 / 1.013 and 5.332). Left at None until the GPU suite has run with 2.
+# 5.358; up to 4: 1.016 / 1.013 and 5.332). On the H200 (thirty-first session) up to 2 tied the
+# cap on every node: 1B 0.7950 / 0.7967 against 0.7993 / 0.7967, 8B 4.007 / 4.012 against
+# 4.036 / 4.006 (each pass's pairs spread 3.88-4.09). None.
 CAP_MAX_PER_SM = None
 
 

@@ -63,6 +63,7 @@ def test_the_cap_can_be_kept_to_small_grids(monkeypatch):
     monkeypatch.setattr(occupancy, "CAP_MAX_PER_SM", 2)
     assert [p.shared for p in cap_programmatic(plans, H200)] == [every[0], 1024, 1024, every[3]]
 
+
 def test_the_loader_launches_programmatic_targets_one_wave_wide(tmp_path, monkeypatch):
     torch = pytest.importorskip("torch")
     pytest.importorskip("triton")
