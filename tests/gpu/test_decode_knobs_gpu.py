@@ -29,13 +29,23 @@ _OFF = (f"{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=False,"
         "codegen.ATTN_KV_BEFORE_WAIT=False,fuse_rows.PAIR_GATE_UP=False,"
         "codegen.GEMV_PREFETCH_ALL_MAX_BYTES=0")
 KNOBS_OFF = f"off:{_OFF}"
+
+
+def _off_but(name, settings):
+    """The baseline with the knob's own settings replacing the baseline's value for them (a
+    variant refuses a constant set twice)."""
+    own = {part.split("=")[0] for part in settings.split(",")}
+    kept = [part for part in _OFF.split(",") if part.split("=")[0] not in own]
+    return f"{name}:{','.join(kept + settings.split(','))}"
+
+
 KNOBS = {
     "split": "split:codegen.GEMV_SPLIT_MIN_K=2048,lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0,"
              "codegen.ATTN_V_EARLY=False",
     "share": "share:codegen.ATTN_PACK_GQA=0,codegen.ATTN_V_EARLY=False",
     "gqa": "gqa:lower.SHARE_MIN_READS=0,codegen.ATTN_V_EARLY=False",
     "vearly": "vearly:lower.SHARE_MIN_READS=0,codegen.ATTN_PACK_GQA=0",
-    "pfall": f"pfall:{_OFF},codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
+    "pfall": _off_but("pfall", "codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216"),
     # the split down projections sum their own splits (aot/fuse_splitk.py)
     "splitk": f"splitk:{_OFF},codegen.GEMV_SPLIT_MIN_K=2048,fuse_splitk.SPLIT_K_IN_KERNEL=True",
     # the split down projections summed by the RMSNorm's mean after them (aot/fuse_norm.py)
@@ -49,7 +59,9 @@ KNOBS = {
     "inattn": f"inattn:{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=True,"
               "codegen.ATTN_KV_BEFORE_WAIT=True,fuse_append.APPEND_IN_ATTENTION=True",
     # the gate+up GEMVs store silu(gate) * up for the down projections (aot/fuse_rows.py)
-    "pair": f"pair:{_OFF},fuse_rows.PAIR_GATE_UP=True",
+    "pair": _off_but("pair", "fuse_rows.PAIR_GATE_UP=True"),
+    # the split-KV attentions combine their own splits, no attn_combine kernels (fuse_combine)
+    "combine": _off_but("combine", "fuse_combine.COMBINE_IN_ATTENTION=True"),
     # GEMV tiles by the row's kind: 2 rows where the grid is small, 8 where the row is an expression
     "rowtiles": f"rowtiles:{_OFF},fuse_rows.PLAIN_ROW_TILE=2048,fuse_rows.PLAIN_ROW_MAX_PER_SM=6,"
                 "fuse_rows.EXPR_ROW_TILE=8192",
