@@ -70,9 +70,11 @@ PLAIN_ROW_MAX_PER_SM = None
 # 0.796 -> 0.789. On.
 PAIR_GATE_UP = True
 # ...the persistent GEMV too (codegen._gemv_persistent: Llama-3-8B's gate+up, K 4096, its RMSNorm's
-# mean folded in), whose reader, the 8B's down projection (K 14336), is the template. Built in
-# the thirty-first session after its H200 time was spent: untimed, so off.
-PAIR_PERSISTENT = False
+# mean folded in), whose reader, the 8B's down projection (K 14336), is the template. H100,
+# Llama-3-8B (docs/performance.md, thirty-second session): the down projections 39.95 -> 38.40 µs
+# a node, the gate+up unchanged (51.47 -> 51.50); span 5324.4 -> 5270.7 µs a token, run() 5.370
+# -> 5.311, generate() 5.336 -> 5.312 ms. On.
+PAIR_PERSISTENT = True
 
 # Weight elements per program per K step for a template GEMV whose row is an expression (0: keep
 # codegen.GEMV_TILE). At 2 rows x 1024 the 1B's down projection lost 46 µs a token (H100,

@@ -292,7 +292,7 @@ class NormSwiGLU(torch.nn.Module):
 @pytest.mark.parametrize("model, k, fold", [("swiglu", 3000, False), ("norm", 2560, True),
                                             ("norm", 2560, False)])
 def test_paired_persistent_gemv(tmp_path, monkeypatch, model, k, fold):
-    """PAIR_PERSISTENT (off by default, untimed): the gate+up GEMV paired when it is the
+    """PAIR_PERSISTENT (on by default): the gate+up GEMV paired when it is the
     persistent one (K 3000: a masked last column block), with the RMSNorm's statistic folded
     into it or reduced by a kernel of its own: fp64 torch's result, race-free, and the
     persistent source walks both halves."""
@@ -312,14 +312,17 @@ def test_paired_persistent_gemv(tmp_path, monkeypatch, model, k, fold):
     assert check_races(pkg.manifest) == [] and check_pre_wait(pkg) == []
 
 
-def test_the_persistent_gemv_is_not_paired_by_default(tmp_path):
-    """PAIR_GATE_UP is on and PAIR_PERSISTENT off: a K-4096-like gate+up stays unpaired (and
-    still matches fp64 torch), while a K-16 one (the template) is paired."""
-    assert fuse_rows.PAIR_GATE_UP is True and fuse_rows.PAIR_PERSISTENT is False
+def test_both_gemv_forms_are_paired_by_default(tmp_path, monkeypatch):
+    """PAIR_GATE_UP and PAIR_PERSISTENT are on: a K-3000 gate+up (persistent) and a K-16 one (the
+    template) are both paired and match fp64 torch; with PAIR_PERSISTENT off the wide one is not."""
+    assert fuse_rows.PAIR_GATE_UP is True and fuse_rows.PAIR_PERSISTENT is True
     torch.manual_seed(19)
     wide = _check(SwiGLU(3000, 300, 37), {"x": torch.randn(1, 3000)}, tmp_path / "w", tol=1e-5)
     narrow = _check(SwiGLU(16, 300, 37), {"x": torch.randn(1, 16)}, tmp_path / "n", tol=1e-5)
-    assert _paired(wide) == [] and len(_paired(narrow)) == 1
+    assert len(_paired(wide)) == 1 and len(_paired(narrow)) == 1
+    monkeypatch.setattr(fuse_rows, "PAIR_PERSISTENT", False)
+    unpaired = _check(SwiGLU(3000, 300, 37), {"x": torch.randn(1, 3000)}, tmp_path / "u", tol=1e-5)
+    assert _paired(unpaired) == []
 
 
 def test_a_paired_matmul_states_its_shape_rules():

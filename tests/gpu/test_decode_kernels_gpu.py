@@ -114,7 +114,7 @@ def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
     (codegen.GEMV_PERSISTENT_SPLIT_MIN_K); `-sums`: those partial rows and the residual added
     by the K-4096 GEMV after it where it loads its row (fuse_sums.INLINE_SPLIT_SUMS);
     `paired-persistent`: the persistent gate+up stores silu(gate) * up for the down projection
-    (fuse_rows.PAIR_PERSISTENT, off by default)."""
+    (fuse_rows.PAIR_PERSISTENT, on by default)."""
     from grace.aot import codegen, fuse_rows, fuse_sums
     if form == "long-row":
         monkeypatch.setattr(codegen, "GEMV_LONG_K", 4096)
