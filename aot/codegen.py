@@ -1343,6 +1343,8 @@ def attention(kernel: Kernel, w: Writer):
     w.indent -= 1 + bool(skips) + bool(masked_block)
     if split > 1:
         _store_attention_partial(w, kernel, split, m_term, bm, bdv)
+        if p.partial is not None:   # and combined by the last program (aot/fuse_combine.py)
+            _combine_own_splits(w, kernel, m_term, heads, rows_q, bm, bdv)
         for line in append_stores:
             w.emit(line)
         return (cdiv(lq_rows, bm), b * h // pack, split), 4, 2
@@ -1500,7 +1502,7 @@ def _store_attention_partial(w: Writer, kernel: Kernel, split: int, m_term, bm: 
     [split, b*h, lq] log-sum-exps."""
     p = kernel.spec
     bh, lq, dv, pack = p.b * p.h, p.lq, p.dv, p.plan.pack
-    ptr = w.ptr(kernel.out)
+    ptr = w.ptr(p.partial if p.partial is not None else kernel.out)
     w.emit("seen = l_i > 0")
     w.emit("o = acc / tl.where(seen, l_i, 1.0)[:, None]")
     w.emit("lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), -float(\"inf\"))")
@@ -1514,6 +1516,59 @@ def _store_attention_partial(w: Writer, kernel: Kernel, split: int, m_term, bm: 
            + (f", mask={mask})" if mask != "None" else ")"))
     w.emit(f"tl.store({ptr} + {split * bh * lq * dv} + row, lse"
            + (f", mask={rows})" if rows else ")"))
+
+
+def _combine_own_splits(w: Writer, kernel: Kernel, m_term, heads: str, rows_q: str, bm: int,
+                        bdv: int):
+    """A split-KV attention that combines its own splits (aot/fuse_combine.py), after each
+    program stored its partial (_store_attention_partial): count the program in its query tile's
+    arrival word; the tile's last program reads every split's log-sum-exps and outputs for its
+    rows around L1 (the arena's bytes were other buffers' earlier in the graph), weights them as
+    attn_combine does, stores the epilogue, and puts the word back to zero for the next kernel.
+    The barrier before the count orders the program's stores before its one-thread atomic
+    (acq_rel at GPU scope, as Triton emits it), as in _reduce_own_splits."""
+    p = kernel.spec
+    bh, h, lq, dv, split = p.b * p.h, p.h, p.lq, p.dv, p.plan.split
+    lq_rows = lq * p.plan.pack
+    partial, arrivals = w.ptr(p.partial), w.ptr(p.arrivals)
+    head = heads.replace("[:, None]", "")   # [bm] (packed query heads) or the program's head
+    w.emit("tl.debug_barrier()")
+    w.emit(f"c_tile = tl.program_id(1) * {cdiv(lq_rows, bm)} + tl.program_id(0)")
+    w.emit(f"c_arrived = tl.atomic_add({arrivals} + c_tile, 1)")
+    w.emit(f"if c_arrived == {split - 1}:")
+    w.indent += 1
+    w.emit(f"c_row = (ib * {h} + {head}) * {lq} + {rows_q}")   # [bm]: the row in one split
+    w.emit(f"c_rs = tl.arange(0, {split})")
+    rows = lq_rows % bm != 0
+    row_mask = f", mask=(rm < {lq_rows})" if rows else ""
+    w.emit(f"c_lse = tl.load({partial} + {split * bh * lq * dv} + c_rs[:, None] * {bh * lq} "
+           f"+ c_row[None, :]" + (f", mask=(rm[None, :] < {lq_rows}), other=-float(\"inf\")"
+                                  if rows else "") + ", cache_modifier=\".cg\")")
+    w.emit("c_top = tl.max(c_lse, axis=0)")
+    w.emit("c_top = tl.where(c_top == -float(\"inf\"), 0.0, c_top)")
+    # 0: every split saw no key (the row is 0, as in torch)
+    w.emit("c_den = tl.sum(tl.exp(c_lse - c_top[None, :]), axis=0)")
+    w.emit(f"c_total = tl.zeros([{bm}, {bdv}], tl.float32)")
+    o_mask = _and_terms(f"(rm[:, None] < {lq_rows})" if rows else None,
+                        None if dv == bdv else f"(rdv[None, :] < {dv})")
+    w.emit(f"for c_s in tl.static_range({split}):")
+    w.indent += 1
+    w.emit(f"c_wt = tl.exp(tl.load({partial} + {split * bh * lq * dv} + c_s * {bh * lq} + c_row"
+           + (f"{row_mask}, other=-float(\"inf\")" if rows else "")
+           + ", cache_modifier=\".cg\") - c_top)")
+    w.emit(f"c_total += tl.load({partial} + (c_s * {bh * lq} + c_row)[:, None] * {dv} "
+           f"+ rdv[None, :]" + (f", mask={o_mask}, other=0.0" if o_mask else "")
+           + ", cache_modifier=\".cg\") * c_wt[:, None]")
+    w.indent -= 1
+    w.emit("o = c_total / tl.where(c_den > 0, c_den, 1.0)[:, None]")
+    mask = _mask(w, "c_mask", m_term, None if dv == bdv else f"(rdv[None, :] < {dv})")
+    w.emit(f"c_zero = tl.zeros([{bm}, {bdv}], tl.int32)")
+    ctx = Ctx(w, (p.b, h, lq, dv), ["ib", heads, f"{rows_q}[:, None]", "rdv[None, :]"],
+              linear=f"(c_row[:, None] * {dv} + rdv[None, :])", mask=mask, zero="c_zero")
+    value = ExprEmitter(w, acc="o").value(kernel.epilogue, ctx)
+    _store(w, kernel, value, ctx, f"[{bm}, {bdv}]")
+    w.emit(f"tl.atomic_xchg({arrivals} + c_tile, 0)")
+    w.indent -= 1
 
 
 def attn_combine(kernel: Kernel, w: Writer):

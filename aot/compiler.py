@@ -29,9 +29,9 @@ import torch
 
 from grace.formats import archs as arch_rules
 
-from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_norm, fuse_rows,
-               fuse_splitk, fuse_stats, fuse_sums, gemm_tiles, generation, lower, manifest, memplan,
-               verify_ir, versions)
+from . import (build, codegen, dump, export, extents, fuse, fuse_append, fuse_combine, fuse_norm,
+               fuse_rows, fuse_splitk, fuse_stats, fuse_sums, gemm_tiles, generation, lower,
+               manifest, memplan, verify_ir, versions)
 from .check import relocate
 
 ARCH_RE = re.compile(r"^sm_(\d{2,3})$")   # the compile targets (formats.archs.COMPILE_ARCH_RE)
@@ -357,7 +357,8 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
         raise
     if st.options.generate:
         b.program = generation.add_state(b.program, dict(st.options.generate))
-    if fuse_splitk.SPLIT_K_IN_KERNEL:   # the arrival words, in every graph at one offset
+    if fuse_splitk.SPLIT_K_IN_KERNEL or fuse_combine.COMBINE_IN_ATTENTION:
+        # the arrival words, in every graph at one offset
         b.program = fuse_splitk.add_state(b.program)
     return b
 
@@ -368,7 +369,8 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
     them (fuse_stats); with fuse_sums.INLINE_SPLIT_SUMS, split-K sums read only by GEMVs added
     by them; with fuse_rows.STORE_GEMV_ROWS, a template GEMV's normalised row stored by the
     mean's kernel; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention;
-    with fuse_splitk.SPLIT_K_IN_KERNEL, split-K matmuls summing their own splits), then the
+    with fuse_splitk.SPLIT_K_IN_KERNEL, split-K matmuls summing their own splits; with
+    fuse_combine.COMBINE_IN_ATTENTION, split-KV attentions combining their own splits), then the
     kernels with nothing to do dropped."""
     kernels = fuse.fuse_epilogues(b.program.kernels)
     if fuse_norm.FOLD_SPLIT_K_INTO_NORM:
@@ -392,6 +394,8 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
     kernels = memplan.drop_empty(kernels)
     if fuse_splitk.SPLIT_K_IN_KERNEL:   # off: correct on the H200, and slower (ViT-S +19%)
         kernels = fuse_splitk.reduce_in_kernel(kernels, b.program)
+    if fuse_combine.COMBINE_IN_ATTENTION:   # off: untimed
+        kernels = fuse_combine.combine_in_attention(kernels, b.program)
     b.kernels = kernels
     return b
 

@@ -332,6 +332,14 @@ class Attention(Spec):
     v_store_pos: Expr | None = None
     k_cache: Buffer | None = None
     v_cache: Buffer | None = None
+    # The split-KV combine done by the attention itself (aot/fuse_combine.py): each split program
+    # stores its partial output and log-sum-exp into `partial` (float32, split * b*h*lq*(dv + 1)
+    # elements, as out would hold them otherwise) and counts itself in `arrivals` (int32 session
+    # state, one word per program tile of its query rows, zero between kernels); the tile's last
+    # program combines the splits and stores the epilogue into out ([b, h, lq, dv]). None: out
+    # holds the partials for an attn_combine kernel.
+    partial: Buffer | None = None
+    arrivals: Buffer | None = None
 
     def index_spaces(self, out_shape):
         b, h, lq, lk = self.b, self.h, self.lq, self.lk
@@ -364,10 +372,19 @@ class Attention(Spec):
                                       or cache.shape[0] != self.b or cache.shape[3] != d):
                 return [f"appends into {cache.name} ({cache.kind}, {list(cache.shape)}), not a "
                         f"[{self.b}, h_kv, slots, {d}] state buffer"]
+        if self.partial is not None:
+            need = self.plan.split * self.b * self.h * self.lq * (self.dv + 1)
+            if self.plan.split < 2 or self.arrivals is None:
+                return ["an attention that combines its own key splits needs split > 1 and its "
+                        "arrival counters"]
+            if numel(self.partial.shape) < need or self.partial.dtype != "float32":
+                return [f"its partials need {need} float32 elements; {self.partial.name} is "
+                        f"{self.partial.dtype} {list(self.partial.shape)}"]
         return _bhld_problems(self, out_shape)
 
     def extra_writes(self):
-        return [c for c in (self.k_cache, self.v_cache) if c is not None]
+        extra = [c for c in (self.k_cache, self.v_cache) if c is not None]
+        return extra + ([self.partial, self.arrivals] if self.partial is not None else [])
 
     def reads_own_writes(self):
         # k and v read the caches it stores the appends into, and at the appended position
@@ -375,13 +392,13 @@ class Attention(Spec):
         return ("k", "v") if self.k_cache is not None else ()
 
     def out_elements(self, out_shape):
-        if self.plan.split > 1:
+        if self.writes_partials:
             return self.plan.split * self.b * self.h * self.lq * (self.dv + 1)
         return numel(out_shape)
 
     @property
     def writes_partials(self):
-        return self.plan.split > 1
+        return self.plan.split > 1 and self.partial is None
 
 
 @dataclass(frozen=True)
