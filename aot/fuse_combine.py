@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from .codegen import cdiv
 from .families import Attention, AttnCombine
-from .fuse_splitk import ARRIVAL_WORDS, ARRIVALS
+from .fuse_splitk import ARRIVAL_WORDS, ARRIVALS, merge_with_next
 from .ir import Kernel, Load, Program, contiguous_strides
 
 COMBINE_IN_ATTENTION = False
@@ -38,19 +38,8 @@ def combine_in_attention(kernels: list[Kernel], program: Program) -> list[Kernel
     arrivals = next((b for b in program.state if b.name == ARRIVALS), None)
     if arrivals is None:
         return kernels
-    out: list[Kernel] = []
-    i = 0
-    while i < len(kernels):
-        k = kernels[i]
-        if i + 1 < len(kernels) and _fusable(k, kernels[i + 1], kernels):
-            c = kernels[i + 1]
-            spec = replace(k.spec, partial=k.out, arrivals=arrivals)
-            out.append(Kernel(spec, c.out, c.out_shape, c.epilogue, label=c.label, ext=c.ext))
-            i += 2
-        else:
-            out.append(k)
-            i += 1
-    return out
+    return merge_with_next(kernels, _fusable,
+                           lambda k: replace(k.spec, partial=k.out, arrivals=arrivals))
 
 
 def query_tiles(spec: Attention) -> int:

@@ -50,14 +50,22 @@ def reduce_in_kernel(kernels: list[Kernel], program: Program) -> list[Kernel]:
     arrivals = next((b for b in program.state if b.name == ARRIVALS), None)
     if arrivals is None:
         return kernels
+    return merge_with_next(kernels, _fusable,
+                           lambda k: replace(k.spec, partial=k.out, arrivals=arrivals))
+
+
+def merge_with_next(kernels: list[Kernel], fusable, spec_of) -> list[Kernel]:
+    """The kernels with every k that `fusable(k, next, kernels)` accepts made one kernel with
+    the next: spec `spec_of(k)` (k's, now keeping its output as scratch), the next kernel's out,
+    shape, epilogue, label and extents. Here and in aot/fuse_combine.py."""
     out: list[Kernel] = []
     i = 0
     while i < len(kernels):
         k = kernels[i]
-        if i + 1 < len(kernels) and _fusable(k, kernels[i + 1], kernels):
+        if i + 1 < len(kernels) and fusable(k, kernels[i + 1], kernels):
             r = kernels[i + 1]
-            spec = replace(k.spec, partial=k.out, arrivals=arrivals)
-            out.append(Kernel(spec, r.out, r.out_shape, r.epilogue, label=r.label, ext=r.ext))
+            out.append(Kernel(spec_of(k), r.out, r.out_shape, r.epilogue, label=r.label,
+                              ext=r.ext))
             i += 2
         else:
             out.append(k)

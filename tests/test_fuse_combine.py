@@ -13,26 +13,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
-import torch.nn.functional as F  # noqa: E402
 
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.aot import fuse_combine, fuse_splitk  # noqa: E402
 from grace.formats import races, read_package  # noqa: E402
 from grace.tools.interpret import InterpretSession  # noqa: E402
 from grace.tools.variants import applied, parse_variant  # noqa: E402
+from test_attention_split_interpret import Attend  # noqa: E402
 from test_decode_knobs import _check_against_eager, _compile as _compile_llama  # noqa: E402
+from test_fuse_splitk import _arrivals_zero  # noqa: E402
 
 ON = "comb:fuse_combine.COMBINE_IN_ATTENTION=True"
-
-
-class Attend(torch.nn.Module):
-    def __init__(self, gqa=False, epilogue=False):
-        super().__init__()
-        self.gqa, self.epilogue = gqa, epilogue
-
-    def forward(self, q, k, v, mask):
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.gqa)
-        return torch.tanh(y) * 2.0 + 1.0 if self.epilogue else y
 
 
 def _mask(lq, lk, pos):
@@ -74,10 +65,6 @@ def _check_package(path, attentions=1):
         assert src.index("tl.debug_barrier()") < src.index("tl.atomic_add(")
         assert src.index("tl.atomic_add(") < src.index("tl.atomic_xchg(")
         assert 'cache_modifier=".cg"' in src
-
-
-def _arrivals_zero(sess):
-    assert not sess.read_state()[fuse_splitk.ARRIVALS].any()
 
 
 def test_off_by_default(tmp_path):
@@ -134,10 +121,12 @@ def test_edge_values_and_half_precision(tmp_path):
     sess = InterpretSession(on)
     for scale in (0.5, -0.5, 1e-20, 1e3):
         q = torch.randn(1, 8, 1, d)
-        k = torch.randn(1, 2, lk, d) * scale if abs(scale) != 0.5 else torch.full((1, 2, lk, d), scale)
+        k = (torch.full((1, 2, lk, d), scale) if abs(scale) == 0.5   # every score equal
+             else torch.randn(1, 2, lk, d) * scale)
         v = torch.randn(1, 2, lk, d)
         mask = _mask(1, lk, 300)
-        got = sess.run({"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "mask": mask.numpy()})["out"]
+        feed = {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "mask": mask.numpy()}
+        got = sess.run(feed)["out"]
         with torch.no_grad():
             ref = model(q.double(), k.double(), v.double(), mask.double()).numpy()
         assert np.isfinite(got).all()

@@ -58,8 +58,8 @@ def test_decode_attention_combined_in_kernel(tmp_path, dtype):
     with torch.no_grad():
         for call in range(CALLS):
             pos = int(torch.randint(0, LK, (), generator=gen))
-            q, k, v = (torch.randn(1, H, 1, D, generator=gen), torch.randn(1, H_KV, LK, D, generator=gen),
-                       torch.randn(1, H_KV, LK, D, generator=gen))
+            q = torch.randn(1, H, 1, D, generator=gen)
+            k, v = (torch.randn(1, H_KV, LK, D, generator=gen) for _ in range(2))
             feed = [a.to(dtype).cuda() for a in (q, k, v, _mask(pos))]
             got = next(iter(sess.run(*feed).values())).numpy().astype(np.float64)
             ref = model(*[a.double() for a in feed]).cpu().numpy()
