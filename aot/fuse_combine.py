@@ -1,4 +1,4 @@
-"""Stage `fuse`, after the appends (off: `COMBINE_IN_ATTENTION`, untimed): a split-KV attention
+"""Stage `fuse`, after the appends (off: `COMBINE_IN_ATTENTION`, it lost): a split-KV attention
 combines its own key splits, and the attn_combine kernel behind it goes.
 
 A decode step's attention splits its keys over many programs (flash-decoding,
@@ -29,6 +29,12 @@ from .families import Attention, AttnCombine
 from .fuse_splitk import ARRIVAL_WORDS, ARRIVALS, merge_with_next
 from .ir import Kernel, Load, Program, contiguous_strides
 
+# Off: correct on the GPU (tests/gpu/test_fuse_combine_gpu.py, 200 NaN-poisoned calls in fp32 and
+# bf16; the `combine` decode knob) and slower. H100, Llama-1B (docs/performance.md, thirty-second
+# session, one process): GPU span 965.9 -> 1011.0 µs a token with 16 nodes fewer (151 -> 135),
+# run() 1.018 -> 1.059, generate() 0.981 -> 1.023 ms. Each packed tile's last program does the
+# work of 4 attn_combine programs (4 heads) behind an atomic round trip; the run's per-node
+# timeline was not kept, so where the 45 µs went is not pinned down.
 COMBINE_IN_ATTENTION = False
 
 
