@@ -333,27 +333,30 @@ def test_wave_cap_ab_help_names_its_modes(capsys):
 
 
 def test_wave_cap_rules_leave_the_chosen_nodes_uncapped():
-    """wave_cap_ab's modes on four programmatic nodes of a decode-like graph (132 SMs, the
+    """wave_cap_ab's modes on the programmatic nodes of a decode-like graph (132 SMs, the
     H200's shared memory): the runtime's cap, none, the cap only past two programs per SM, all
-    but the attention and its combine, all but grids of at most 32, only grids of at most two
-    (four) programs per SM."""
+    but the attention and its combine, all but grids of at most 32, all but the combine, only
+    grids of at most two (four) programs per SM."""
     from grace.runtime import occupancy
     from grace.runtime.graph import NodePlan
     from grace.tools.wave_cap_ab import cap_rules
 
     limits = occupancy.SharedLimits(132, 233472, 1024, 232448)
-    grids = [(264, 1, 1), (1, 8, 32), (1, 32, 1), (1024, 2, 1), (512, 1, 1)]
-    families = ["matmul", "attention", "attn_combine", "matmul", "matmul"]
+    grids = [(264, 1, 1), (1, 8, 32), (1, 32, 1), (1024, 2, 1), (512, 1, 1), (1, 1, 1)]
+    families = ["matmul", "attention", "attn_combine", "matmul", "matmul", "reduction"]
     plans = [NodePlan(i, f"node {i}", i, g, 128, 1024, (), (i - 1,), (i - 1,))
              for i, g in enumerate(grids)]
     rules = cap_rules(occupancy.cap_programmatic, families)
     capped = [p.shared for p in occupancy.cap_programmatic(plans, limits)]
     assert capped[:3] == [76928, 76928, 115840] and capped[3] > 1024 and capped[4] > 1024
+    assert capped[5] == 115840   # a one-program mean: one a multiprocessor
     shared = {mode: [p.shared for p in rule(plans, limits)] for mode, rule in rules.items()}
     assert shared["cap"] == capped
-    assert shared["nocap"] == [1024] * 5
-    assert shared["cap>2/SM"] == [1024, 1024, 1024, capped[3], capped[4]]
-    assert shared["cap-attn"] == [capped[0], 1024, 1024, capped[3], capped[4]]
-    assert shared["cap-small"] == [capped[0], capped[1], 1024, capped[3], capped[4]]
-    assert shared["cap<=2/SM"] == capped[:3] + [1024, 1024]
-    assert shared["cap<=4/SM"] == capped[:3] + [1024, capped[4]]
+    assert shared["nocap"] == [1024] * 6
+    assert shared["cap>2/SM"] == [1024, 1024, 1024, capped[3], capped[4], 1024]
+    assert shared["cap-attn"] == [capped[0], 1024, 1024, capped[3], capped[4], capped[5]]
+    assert shared["cap-small"] == [capped[0], capped[1], 1024, capped[3], capped[4], 1024]
+    assert shared["cap-combine"] == [capped[0], capped[1], 1024, capped[3], capped[4],
+                                     capped[5]]
+    assert shared["cap<=2/SM"] == capped[:3] + [1024, 1024, capped[5]]
+    assert shared["cap<=4/SM"] == capped[:3] + [1024, capped[4], capped[5]]

@@ -9,6 +9,12 @@ three ways in one process, generate() timed per token (bench_decode's paired loo
   cap-attn   the cap but on the attention and its combine (their programs may then start beside
              the capped GEMV before them)
   cap-small  the cap but on grids of at most 32 programs (means, combines, split-K sums)
+  cap-combine  the cap but on the attention's combine: its 32 programs (Llama-1B) then take 2 KiB
+             of shared memory, not half a multiprocessor's, so all of the o projection's capped
+             programs fit beside them and load their weights before the wait (the o's weights
+             are all loaded there since the thirty-first session; kernel_resources: 2 of 4 fit
+             beside a capped combine). cap-attn and cap-small lost 0.5% on the 1B when the o
+             loaded only its first K step early (twenty-first session)
   cap<=2/SM  the cap only on grids of at most two programs per multiprocessor (persistent GEMVs,
              attention, combines, means): the template GEMVs' many programs uncapped. The
              twentieth session's H200 figures point here: nocap gained 0.8% on the 1B (whose
@@ -31,7 +37,7 @@ from pathlib import Path
 
 from grace.tools.variants import parse_variant
 
-MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small", "cap<=2/SM", "cap<=4/SM")
+MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small", "cap-combine", "cap<=2/SM", "cap<=4/SM")
 
 
 def cap_rules(capped, families: list) -> dict:
@@ -51,6 +57,7 @@ def cap_rules(capped, families: list) -> dict:
             "cap-attn": cap_unless(lambda p, lim: families[p.kernel] in ("attention",
                                                                          "attn_combine")),
             "cap-small": cap_unless(lambda p, lim: blocks(p) <= 32),
+            "cap-combine": cap_unless(lambda p, lim: families[p.kernel] == "attn_combine"),
             "cap<=2/SM": lambda plans, limits: capped(plans, limits, max_per_sm=2),
             "cap<=4/SM": lambda plans, limits: capped(plans, limits, max_per_sm=4)}
 
