@@ -1,5 +1,5 @@
 """A/B of the runtime's one-wave cap (runtime/occupancy.py) on a Llama decode: one package, loaded
-three ways in one process, generate() timed per token (bench_decode's paired loops), twice round.
+once a mode in one process, generate() timed per token (bench_decode's paired loops), twice round.
 
     python3 -m grace.tools.wave_cap_ab --shape 1b --out cap-ab-1b.json     (a GPU machine)
 
@@ -37,7 +37,8 @@ from pathlib import Path
 
 from grace.tools.variants import parse_variant
 
-MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small", "cap-combine", "cap<=2/SM", "cap<=4/SM")
+MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small", "cap-combine", "cap<=2/SM",
+         "cap<=4/SM")
 
 
 def cap_rules(capped, families: list) -> dict:
@@ -107,7 +108,7 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
                 ms, prefill, each = bench.generate_ms_per_token(timed, steps, pos, max_seq, pairs)
                 res["modes"].setdefault(name, []).append(
                     {"ms_per_token": ms, "prefill_ms": prefill, "pairs": each})
-                print(f"{name:10s} generate() {ms:.4f} ms/token  pairs "
+                print(f"{name:11s} generate() {ms:.4f} ms/token  pairs "
                       f"{[round(p, 3) for p in each]}  prefill {prefill:.1f} ms", flush=True)
                 sess.close()
                 pkg.close()
