@@ -1,6 +1,6 @@
 """aot/fuse_combine.py (off by default: it lost on the GPU): a split-KV attention combines its
-own key splits, the last program of each query tile applying the epilogue, and the attn_combine kernel
-goes. Through the CPU reference executor (programs one after another, so the arrival counting
+own key splits, the last program of each query tile applying the epilogue, and the attn_combine
+kernel goes. Through the CPU reference executor (programs one after another, so the arrival counting
 is exercised but not its memory ordering: the `combine` knob of
 tests/gpu/test_decode_knobs_gpu.py), against fp64 torch and the package without the pass: packed
 and unpacked grouped-query heads, splits that see no key, ragged query rows, a fused epilogue,
