@@ -7,6 +7,8 @@ Run with `pytest -m gpu tests/gpu`.
 from __future__ import annotations
 
 import copy
+import pathlib
+import sys
 
 import numpy as np
 import pytest
@@ -24,6 +26,12 @@ from grace.aot.codegen import attention_plan  # noqa: E402
 from grace.aot.lower import DEFAULT_OPTIONS  # noqa: E402
 from grace.formats import read_package  # noqa: E402
 from grace.runtime import load  # noqa: E402
+
+try:
+    from tests.gemv_forms import FORMS, MlpStep, check_form_sources, set_form  # noqa: E402
+except ImportError:  # run from another directory: tests/ is the parent of this file's directory
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    from gemv_forms import FORMS, MlpStep, check_form_sources, set_form  # noqa: E402
 
 
 class DecodeAttention(torch.nn.Module):
@@ -80,49 +88,14 @@ def test_split_kv_attention_and_gemv(tmp_path, dtype):
     pkg.close()
 
 
-class MlpStep(torch.nn.Module):
-    """A decode step's MLP at Llama-3-8B's width: RMSNorm, gate and up projections of K 4096
-    (the persistent GEMV, codegen._gemv_persistent, which reduces the RMSNorm's mean itself:
-    fuse_stats.FOLD_INTO_PERSISTENT), SwiGLU, a down projection of K 5000 (past
-    GEMV_LONG_K: tiles with the next K step ahead, the last step ragged), the residual, then a
-    projection of K 3000 (persistent, one masked tile of 4096 columns)."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm_w = torch.nn.Parameter(torch.rand(4096) + 0.5)
-        self.gate = torch.nn.Linear(4096, 5000, bias=False)
-        self.up = torch.nn.Linear(4096, 5000, bias=False)
-        self.down = torch.nn.Linear(5000, 4096, bias=False)
-        self.mid = torch.nn.Linear(4096, 3000, bias=False)
-        self.out = torch.nn.Linear(3000, 1000, bias=False)
-
-    def forward(self, x):
-        h = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5).to(x.dtype) * self.norm_w
-        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
-        return self.out(self.mid(x))
-
-
-@pytest.mark.parametrize("form", ["long-row", "persistent-split", "persistent-split-sums",
-                                  "paired-persistent"])
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
-    """Each GEMV form behind programmatic edges, 100 calls with fresh inputs in a NaN-poisoned
-    session (a race shows up as a rare mismatch), against fp64 (fp32) or torch's bf16. The
-    down projection (K 5000) takes a form that is off by default, turned on here as a variant
-    would: the long-row form (the comment at codegen.GEMV_PERSISTENT_MIN_K), or the persistent
-    form over 2 K chunks of 2500 whose partial rows a reduction sums
-    (codegen.GEMV_PERSISTENT_SPLIT_MIN_K); `-sums`: those partial rows and the residual added
-    by the K-4096 GEMV after it where it loads its row (fuse_sums.INLINE_SPLIT_SUMS);
-    `paired-persistent`: the persistent gate+up stores silu(gate) * up for the down projection
-    (fuse_rows.PAIR_PERSISTENT, on by default)."""
-    from grace.aot import codegen, fuse_rows, fuse_sums
-    if form == "long-row":
-        monkeypatch.setattr(codegen, "GEMV_LONG_K", 4096)
-    elif form == "paired-persistent":
-        monkeypatch.setattr(fuse_rows, "PAIR_PERSISTENT", True)
-    else:
-        monkeypatch.setattr(codegen, "GEMV_PERSISTENT_SPLIT_MIN_K", 4097)
-    monkeypatch.setattr(fuse_sums, "INLINE_SPLIT_SUMS", form.endswith("-sums"))
+    """Each GEMV form of tests/gemv_forms.py (set_form: the knobs of each, all but
+    `paired-persistent` off by default) behind programmatic edges, 100 calls with fresh inputs in
+    a NaN-poisoned session (a race shows up as a rare mismatch), against fp64 (fp32) or torch's
+    bf16. tests/test_gemv_form_packages.py checks the same packages' sources without a GPU."""
+    set_form(monkeypatch, form)
     torch.manual_seed(0)
     model = MlpStep().eval()
     with torch.no_grad():
@@ -133,16 +106,7 @@ def test_gemv_forms_with_programmatic_edges(tmp_path, dtype, form, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     path = grace_compile(model, (torch.randn(1, 1, 4096, generator=gen).to(dtype),),
                          output=tmp_path / "m.grace", progress=False, fp32_matmul="ieee")
-    pkg = read_package(path)
-    sources = "\n".join(bytes(pkg.section(k["source"])).decode()
-                        for k in pkg.manifest["kernels"] if k["family"] == "matmul")
-    assert "for turn in range(" in sources and "b = b_next" in sources
-    assert "stat = tl.sum(" in sources   # the RMSNorm's mean inside gate+up (FOLD_INTO_PERSISTENT)
-    assert ("b_next_hi" in sources) == (form == "paired-persistent")
-    if form.startswith("persistent-split"):
-        assert "rk = (tl.program_id(1) // 1) * 2500 + rc" in sources
-        families = [k["family"] for k in pkg.manifest["kernels"]]
-        assert ("reduction" in families) == (form == "persistent-split")
+    check_form_sources(read_package(path), form)
     gpu_model, model64 = copy.deepcopy(model).cuda(), copy.deepcopy(model).double()
     pkg = load(path)
     sess = pkg.session(poison=True)
