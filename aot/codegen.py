@@ -1039,7 +1039,9 @@ GEMV_PREFETCH_STEPS = 1   # K steps of its weights a GEMV loads before gdc_wait(
 # 8.8 and 11.1 µs of span a token, run() -1.9% and -1.1% (twenty-fourth and twenty-ninth
 # sessions). On the H200 at 8 MB (thirty-first session): span 791.5 -> 783.9 µs, run() 0.837 ->
 # 0.819, generate() 0.796 -> 0.790 ms/token; with fuse_rows.PAIR_GATE_UP 774.6 -> 767.8 µs and
-# generate() 0.789 -> 0.769. On: it reaches only decode GEMVs (M = 1) of at most 8 MB.
+# generate() 0.789 -> 0.769. On: it reaches only decode GEMVs (M = 1) of at most 8 MB. At 70 MB
+# (every 1B GEMV but the head) an H100 lost 38 µs of span, generate() 0.988 -> 1.017 ms: the
+# plain GEMVs gained 19 µs, the o projections with their adds lost 48 (thirty-fourth session).
 GEMV_PREFETCH_ALL_MAX_BYTES = 8 << 20
 GEMV_BK = 1024     # K step: the columns of a weight row a program loads per step
 GEMV_WARPS = 4

@@ -13,8 +13,9 @@ once a mode in one process, generate() timed per token (bench_decode's paired lo
              of shared memory, not half a multiprocessor's, so all of the o projection's capped
              programs fit beside them and load their weights before the wait (the o's weights
              are all loaded there since the thirty-first session; kernel_resources: 2 of 4 fit
-             beside a capped combine). cap-attn and cap-small lost 0.5% on the 1B when the o
-             loaded only its first K step early (twenty-first session)
+             beside a capped combine). Lost 3.1% on the 1B (H100, thirty-fourth session, where
+             cap-small lost 3.7%); cap-attn and cap-small lost 0.5% when the o loaded only its
+             first K step early (twenty-first session)
   cap<=2/SM  the cap only on grids of at most two programs per multiprocessor (persistent GEMVs,
              attention, combines, means): the template GEMVs' many programs uncapped. The
              twentieth session's H200 figures point here: nocap gained 0.8% on the 1B (whose
