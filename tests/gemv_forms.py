@@ -62,7 +62,7 @@ def check_form_sources(pkg, form: str) -> None:
     assert "for turn in range(" in sources and "b = b_next" in sources
     assert "stat = tl.sum(" in sources   # the RMSNorm's mean inside gate+up (FOLD_INTO_PERSISTENT)
     assert ("b_next_hi" in sources) == (form == "paired-persistent")
-    families = [k["family"] for k in pkg.manifest["kernels"]]
     if form.startswith("persistent-split"):
         assert "rk = (tl.program_id(1) // 1) * 2500 + rc" in sources
+        families = [k["family"] for k in pkg.manifest["kernels"]]
         assert ("reduction" in families) == (form == "persistent-split")

@@ -1,7 +1,8 @@
 """The packages of tests/gpu/test_decode_kernels_gpu.py's GEMV forms, compiled without a GPU: each
 holds the form it is named for and no other, and passes the race and pre-wait checks. The GPU
 test times nothing and checks values; this one keeps its preconditions true in CI (see
-tests/gemv_forms.py for the time they were not)."""
+tests/gemv_forms.py for the time they were not). That the pairing is on by default is
+tests/test_fuse_rows.py's test_both_gemv_forms_are_paired_by_default."""
 from __future__ import annotations
 
 import pytest
@@ -26,11 +27,3 @@ def test_each_gemv_form_package_holds_its_form(tmp_path, form, monkeypatch):
     check_form_sources(pkg, form)
     assert check_races(pkg.manifest) == [] and check_pre_wait(pkg) == []
 
-
-def test_the_defaults_pair_the_persistent_gate_up(tmp_path):
-    """With no knob set the package is the `paired-persistent` one: the default the GPU test's
-    other forms turn off."""
-    torch.manual_seed(0)
-    path = grace_compile(MlpStep().eval(), (torch.randn(1, 1, 4096),),
-                         output=tmp_path / "m.grace", progress=False)
-    check_form_sources(read_package(path), "paired-persistent")
