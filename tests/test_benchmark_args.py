@@ -254,6 +254,30 @@ def test_decode_table_shows_each_timeline_and_a_failed_profile_is_an_error(tmp_p
         D._timeline(tmp_path / "missing.grace", 1000, tmp_path, "x")
 
 
+def test_decode_table_says_how_far_grace_drifted_when_timed_again(monkeypatch):
+    """An A/B under ~1% of generate() was drift in the thirty-fifth session (grace's own package
+    0.981 first, 0.974 last): the table prints the re-timing beside the variants, and
+    --no-again reaches run() as again=False."""
+    from grace.tools import bench_decode as D
+    res = {"shape": "1b", "max_seq": 2048, "pos": 1000, "bytes_per_token": 2.5e9, "steps": 64,
+           "ms_per_token": {"grace generate()": 0.981, "grace generate() again": 0.974},
+           "hbm_fraction": {"grace generate()": 0.6, "grace generate() again": 0.6},
+           "errors": {}, "drift": {"generate()": 0.974 / 0.981 - 1}}
+    table = D.format_table(res)
+    assert "grace's own package timed again last: generate() -0.7%" in table
+    del res["drift"]
+    assert "timed again" not in D.format_table(res)
+    seen = {}
+
+    def fake_run(*args):
+        seen["again"] = args[-1]
+        return res
+
+    monkeypatch.setattr(D, "run", fake_run)
+    D.main(["--variant", "x:codegen.GEMV_TILE=2048", "--no-again"])
+    assert seen["again"] is False
+
+
 def test_a_dynamic_variant_is_compiled_with_its_constants_and_timed_as_its_own(monkeypatch,
                                                                                tmp_path):
     """bench_dynamic's variants (it ignored --variant before): compiled with the constants set

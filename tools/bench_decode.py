@@ -19,6 +19,12 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
                    grace.aot constants set for the compile (tools/variants.py), e.g. a GEMV tile;
                    a variant whose package has no graph node unlike grace's is logged as such
                    (its settings did not apply: `nodes_changed` 0 in the JSON)
+  ... again        grace's own package timed once more after every other grace contender (when
+                   there is one; --no-again skips it). The first grace figures of a process ran
+                   slow: on an H100 generate() 0.981 ms/token, the same package 0.974 last, and a
+                   variant timed in between 0.977 (docs/performance.md, thirty-fifth session), so
+                   an A/B of generate() under ~1% is that drift unless it beats "again" too.
+                   `drift` in the JSON: again / first - 1, for run() and generate()
 `--timeline` adds, for grace's package and each variant, the decode graph's time node by node
 (profile_kernels --timeline, as built), so an A/B shows where the time moved.
 Each contender decodes `--steps` tokens per timed pass (best of `--repeats` passes; generate() as
@@ -159,7 +165,7 @@ def _timeline(path: Path, pos: int, workdir: Path, name: str) -> dict:
 
 def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/tmp"),
         out=None, pdl_ab=True, fold_ab=False, variants=(), reduce_overhead=True,
-        timeline=False) -> dict:
+        timeline=False, again=True) -> dict:
     import torch
     from torch.export import Dim
 
@@ -341,6 +347,14 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         vpkg.close()
         profile(vpath, variant.name)
         _drop(vpath)
+    if again and (pdl_ab or fold_ab or variants):
+        last = load(path, instantiate="eager")
+        measure_grace(last, " again")
+        last.close()
+        ms = res["ms_per_token"]
+        res["drift"] = {k: ms[f"grace {k} again"] / ms[f"grace {k}"] - 1
+                        for k in ("run()", "generate()")
+                        if f"grace {k}" in ms and f"grace {k} again" in ms}
     res["hbm_fraction"] = {k: need / (v * 1e-3) / COPY_RATE for k, v in res["ms_per_token"].items()}
     res["grace_graphs"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                            for g in pkg.manifest["graphs"]]
@@ -361,6 +375,10 @@ def format_table(res) -> str:
                  f"(no PDL: {res.get('grace_tokens_equal_eager no PDL', '-')}); prefill logits "
                  f"rel. err {res.get('prefill_logits_rel_err', float('nan')):.2e}; "
                  f"compile {res.get('grace_compile_s', 0):.0f} s, load {res.get('grace_load_s', 0):.2f} s")
+    if res.get("drift"):
+        lines.append("grace's own package timed again last: " + ", ".join(
+            f"{k} {d:+.1%}" for k, d in res["drift"].items())
+            + " (a variant's gain within this is drift, not the variant)")
     for name, t in res.get("timelines", {}).items():
         lines.append(f"timeline {name} (as built; us each node adds to the GPU span):")
         lines += ["  " + line for line in t["table"].splitlines()[:14]]
@@ -394,6 +412,9 @@ def main(argv=None):
                     help="also profile the decode graph of grace's package and of each variant "
                          "node by node (profile_kernels --timeline --as-built, in a subprocess): "
                          "where the time went, in the same run as the ms/token")
+    ap.add_argument("--no-again", action="store_true",
+                    help="do not time grace's own package once more after the variants (the "
+                         "drift check, on whenever another grace contender runs)")
     a = ap.parse_args(argv)
     try:
         variants = [parse_variant(v) for v in a.variant]
@@ -402,7 +423,7 @@ def main(argv=None):
     if len({v.name for v in variants}) != len(variants):
         ap.error("two variants have the same name")
     res = run(a.shape, a.pos, a.max_seq, a.steps, a.repeats, a.workdir, a.out, not a.no_pdl_ab,
-              a.fold_ab, variants, not a.no_reduce_overhead, a.timeline)
+              a.fold_ab, variants, not a.no_reduce_overhead, a.timeline, not a.no_again)
     print(format_table(res))
 
 
