@@ -56,16 +56,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# A split-K sums kernel (Reduction.split_sums) calls gdc_launch_dependents() after its gdc_wait()
-# instead of first, so the kernels after it (an RMSNorm's mean, then the next GEMV) launch only
-# once the split GEMV has finished: the next GEMV's weight loads before its wait then fall in the
-# sums' and the mean's idle memory time, not in the split GEMV's last wave. Llama-1B on an H100
-# with the QKV projection's weights all loaded before its wait (GEMV_PREFETCH_ALL_MAX_BYTES 16 MB):
-# its 16 QKV GEMVs gained 28 us of span a token, and the down projections before them lost 17 and
-# their sums 7 (docs/performance.md, thirty-fifth session). Off until timed (bench_decode --variant).
-PDL_LATE_TRIGGER_SPLIT_SUMS = False
-
-
 def generate(kernel: Kernel, symbols: dict | None = None, pdl: bool = False) -> KernelSource:
     """`symbols`: size symbol -> word of the extents table (dynamic programs). `pdl`: the kernel
     may be the target of programmatic edges: it calls gdc_launch_dependents() first, then what
@@ -84,9 +74,7 @@ def _generate(kernel: Kernel, symbols, pdl: bool, prefetch: bool) -> KernelSourc
     grid, num_warps, num_stages = template(kernel, w)
     names = w.param_names()
     lines = [f"def KERNEL({', '.join(names)}):"]
-    if pdl and _late_trigger(kernel):
-        lines += w.pre_wait + ["    gdc_wait()", "    gdc_launch_dependents()"]
-    elif pdl:
+    if pdl:
         lines += ["    gdc_launch_dependents()"] + w.pre_wait + ["    gdc_wait()"]
     lines += ["    " + ln for ln in w.prologue]
     lines += w.lines
@@ -96,10 +84,6 @@ def _generate(kernel: Kernel, symbols, pdl: bool, prefetch: bool) -> KernelSourc
     return KernelSource(name, kernel.family, text.replace("def KERNEL(", f"def {name}("),
                         w.param_types(), list(w.params), grid, num_warps, num_stages,
                         stored_params(text))
-
-
-def _late_trigger(kernel: Kernel) -> bool:
-    return PDL_LATE_TRIGGER_SPLIT_SUMS and getattr(kernel.spec, "split_sums", False)
 
 
 def _store(w: Writer, kernel: Kernel, value: str, ctx: Ctx, shape_expr: str):

@@ -88,9 +88,6 @@ class Reduction(SourceSpec):
     row_value: Expr | None = None
     row_scale: Expr | None = None
     row_shape: tuple[int, ...] = ()
-    # the sums of a split-K matmul's partial rows (lower_ops._matmul), which
-    # codegen.PDL_LATE_TRIGGER_SPLIT_SUMS may let launch its dependents only after its wait
-    split_sums: bool = False
 
     def index_spaces(self, out_shape):
         return {"src": tuple(self.src_shape), "kept": tuple(self.src_shape),

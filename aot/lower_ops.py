@@ -677,7 +677,7 @@ def _matmul(L, node, a: TV, b: TV, epilogue_fn=None, meta=None) -> TV:
     sums = L.emit(Kernel(spec, partial, (split * batch, m, n), Acc("float32"),
                          ext=ext))   # read back as the partial buffer: [split, batch, m, n]
     total = Reduction(src=sums.expr, src_shape=(split, batch, m, n), src_ext=sums.ext, rdims=(0,),
-                      op="sum", acc_dtype="float32", split_sums=True)
+                      op="sum", acc_dtype="float32")
     L.emit(Kernel(total, buf, out_shape, epilogue, ext=ext))
     return views.view(views.contiguous_load(buf, extents.regroup(out_shape, ext, buf.shape)),
                       shape)

@@ -165,26 +165,3 @@ def test_small_gemvs_load_all_their_weights_before_the_wait(tmp_path):
             before = src.split("gdc_wait()")[0]
             assert ("b_early1" in before) == all_k
         _check_against_eager(model, path)
-
-
-def test_split_sums_can_launch_their_dependents_after_the_wait(tmp_path):
-    """codegen.PDL_LATE_TRIGGER_SPLIT_SUMS (off): the split down projections' sums call
-    gdc_launch_dependents() after gdc_wait() (so the mean and the next GEMV launch once the split
-    GEMV is done), every other kernel still first. Where a kernel triggers changes no value: the
-    race proof holds and the logits match eager."""
-    split = "codegen.GEMV_SPLIT_MIN_K=2048"
-    for variant, late in ((f"early:{split}", False),
-                          (f"late:{split},codegen.PDL_LATE_TRIGGER_SPLIT_SUMS=True", True)):
-        model, path = _compile(tmp_path, variant, f"late{late}")
-        pkg, graph, kernels = _decode_graph(path)
-        triggers = {}
-        for node, k in zip(graph["nodes"], kernels):
-            src = bytes(pkg.section(k["source"])).decode()
-            if "gdc_wait()" in src:
-                after = src.index("gdc_launch_dependents()") > src.index("gdc_wait()")
-                triggers.setdefault(after, []).append(node["label"])
-        sums = triggers.get(True, [])
-        assert len(sums) == (3 if late else 0), triggers   # the 3 layers' down projections' sums
-        assert all(lab.startswith("mm") and "+add" in lab for lab in sums)
-        assert len(triggers[False]) > 10
-        _check_against_eager(model, path)
