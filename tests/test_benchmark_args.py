@@ -255,9 +255,9 @@ def test_decode_table_shows_each_timeline_and_a_failed_profile_is_an_error(tmp_p
 
 
 def test_decode_table_says_how_far_grace_drifted_when_timed_again(monkeypatch):
-    """An A/B under ~1% of generate() was drift in the thirty-fifth session (grace's own package
-    0.981 first, 0.974 last): the table prints the re-timing beside the variants, and
-    --no-again reaches run() as again=False."""
+    """A generate() A/B of the thirty-fifth session was drift (grace's own package 0.981 first,
+    0.974 last, the variant 0.977 between): the table prints the re-timing beside the variants,
+    and --no-again reaches run() as again=False."""
     from grace.tools import bench_decode as D
     res = {"shape": "1b", "max_seq": 2048, "pos": 1000, "bytes_per_token": 2.5e9, "steps": 64,
            "ms_per_token": {"grace generate()": 0.981, "grace generate() again": 0.974},

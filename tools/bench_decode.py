@@ -20,10 +20,10 @@ Contenders, all from the same random bf16 weights, after a prefill of `--pos` to
                    a variant whose package has no graph node unlike grace's is logged as such
                    (its settings did not apply: `nodes_changed` 0 in the JSON)
   ... again        grace's own package timed once more after every other grace contender (when
-                   there is one; --no-again skips it). The first grace figures of a process ran
-                   slow: on an H100 generate() 0.981 ms/token, the same package 0.974 last, and a
-                   variant timed in between 0.977 (docs/performance.md, thirty-fifth session), so
-                   an A/B of generate() under ~1% is that drift unless it beats "again" too.
+                   there is one; --no-again skips it). On an H100 one process gave the same
+                   package 0.981 ms/token of generate() first and 0.974 last, a variant between
+                   them 0.977; two others matched to 0.0% (docs/performance.md, thirty-fifth
+                   session). A generate() A/B smaller than the drift is not the variant's.
                    `drift` in the JSON: again / first - 1, for run() and generate()
 `--timeline` adds, for grace's package and each variant, the decode graph's time node by node
 (profile_kernels --timeline, as built), so an A/B shows where the time moved.
