@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import export, extents, fuse, generation, lower, memplan, views
+from . import extents, fuse, generation, lower, memplan, views
 from .lower import LoweringError
 
 _FRAME_RE = re.compile(r'File "(.*)", line (\d+)(?:, in (.*))?')
@@ -275,21 +275,12 @@ def check(program, example_inputs=None, *, kwargs=None, dynamic_shapes=None, buc
     check sees the program the compile would lower. `buckets` / `generate` as for
     `grace.aot.compile` (they change what gets lowered); `codegen=False` stops after the memory
     plan (Triton source generation is skipped)."""
-    from .compiler import CompileOptions, _dim_names, decompose
+    from .compiler import CompileOptions, decompose, exported
 
     t0 = time.perf_counter()
     # the compiler's own option checks (generate's keys); its lowering options (compile's defaults)
     options = CompileOptions(generate=tuple((generate or {}).items())).recorded()
-    dim_names = None
-    if isinstance(program, torch.nn.Module):
-        if example_inputs is None and not kwargs:
-            raise ValueError("example_inputs (or kwargs) are required to export an nn.Module")
-        name = name or type(program).__name__
-        dim_names = _dim_names(program, example_inputs, dynamic_shapes, kwargs)
-        program = export.export_model(program, example_inputs, dynamic_shapes, kwargs)
-    elif not isinstance(program, torch.export.ExportedProgram):
-        raise TypeError(f"expected an nn.Module or torch.export.ExportedProgram, "
-                        f"got {type(program).__name__}")
+    program, name, dim_names = exported(program, example_inputs, dynamic_shapes, kwargs, name)
     core = decompose(program)
     calls = [n for n in core.graph_module.graph.nodes if n.op == "call_function"]
     collector = _Collector()

@@ -207,6 +207,14 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
                              tuple((generate or {}).items()), pdl if pdl is None else bool(pdl),
                              tuple((str(k), v) for k, v in (sm_count or {}).items()),
                              bool(gemm_tiles), bool(fold_row_stats))
+    program, name, dim_names = exported(program, example_inputs, dynamic_shapes, kwargs, name)
+    return compile_program(program, Path(output), name or "model", options, dim_names).path
+
+
+def exported(program, example_inputs, dynamic_shapes, kwargs, name):
+    """(ExportedProgram, name, dim_names) of what `compile` and `check` were given: an
+    nn.Module goes through torch.export (its class names the package unless `name` does, and
+    its Dims name the size symbols); an ExportedProgram is taken as it is."""
     dim_names = None
     if isinstance(program, torch.nn.Module):
         if example_inputs is None and not kwargs:
@@ -217,7 +225,7 @@ def compile(program, example_inputs=None, *, output, kwargs=None, archs=("sm_90"
     elif not isinstance(program, torch.export.ExportedProgram):
         raise TypeError(f"expected an nn.Module or torch.export.ExportedProgram, "
                         f"got {type(program).__name__}")
-    return compile_program(program, Path(output), name or "model", options, dim_names).path
+    return program, name, dim_names
 
 
 def _dim_names(model, example_inputs, dynamic_shapes, kwargs=None) -> dict:
