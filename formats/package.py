@@ -13,11 +13,11 @@ import functools
 import io
 import mmap
 import os
-import tempfile
 
 import msgpack
 
 from . import limits
+from .atomic import replacing
 from .container import COMPANION_PREFIX, FORMAT_VERSION, Container, parse_container, write_container
 from .errors import FormatError, ManifestError
 from .manifest import validate_manifest
@@ -132,35 +132,8 @@ def write_package(path, manifest: dict, sections: dict) -> None:
     validate_manifest(_unpack_manifest(blob), section_names=list(sections))
     _check_tensor_sections(manifest, sections.__getitem__)
 
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".grace", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # mkstemp makes the file 0600; a package gets the mode open() would have given it:
-            # 0666 less the umask (0644 usually). The umask comes from /proc where it can: reading
-            # it with os.umask sets it too, for a moment, for every thread of the process.
-            umask = None
-            try:
-                with open("/proc/self/status", encoding="ascii") as status:
-                    umask = next((int(ln.split()[1], 8) for ln in status if ln.startswith("Umask:")),
-                                 None)
-            except (OSError, ValueError, IndexError):
-                pass
-            if umask is None:
-                umask = os.umask(0o022)
-                os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            write_container(f, blob, sections)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with replacing(path) as f:
+        write_container(f, blob, sections)
 
 
 def pack_package_bytes(manifest_blob: bytes, sections: dict, version=FORMAT_VERSION) -> bytes:

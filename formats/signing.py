@@ -42,9 +42,9 @@ import binascii
 import hashlib
 import os
 import struct
-import tempfile
 from typing import NamedTuple
 
+from .atomic import replacing
 from .container import FORMAT_VERSION, HEADER_NBYTES, Container, parse_container, write_container
 from .errors import FormatError, UnsupportedVersionError
 
@@ -460,23 +460,10 @@ def sign_package(path, key, output=None) -> SignResult:
                     if s.name != SIGNATURE_SECTION and not _is_companion(s.name, container)}
         sections[SIGNATURE_SECTION] = ALGORITHM + public + bytes(SIGNATURE_NBYTES)
         mode = os.stat(path).st_mode & 0o777   # the signed package keeps the package's mode
-        directory = os.path.dirname(os.path.abspath(output))
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".grace", dir=directory)
-        try:
-            with os.fdopen(fd, "w+b") as f:
-                os.fchmod(f.fileno(), mode)
-                write_container(f, bytes(container.manifest_blob), sections,
-                                version=tuple(package.format_version))
-                signature = _sign_in_place(f, key, public)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, output)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with replacing(output, mode) as f:
+            write_container(f, bytes(container.manifest_blob), sections,
+                            version=tuple(package.format_version))
+            signature = _sign_in_place(f, key, public)
     return SignResult(output, Signature(public, signature), replaced)
 
 

@@ -1264,3 +1264,22 @@ def fuzz_manifest_tree(base: dict, sections: dict, seed: int, rounds: int = 600)
         except ManifestError:
             pass
         read_only_format_errors(packed(m, sections))
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    """formats.atomic.replacing, under write_package and sign_package: an error inside the block
+    leaves the file at the path as it was and removes the temporary one; success replaces it
+    whole, with the mode asked for."""
+    from grace.formats.atomic import replacing
+    path = tmp_path / "m.grace"
+    path.write_bytes(b"old")
+    with pytest.raises(RuntimeError, match="midway"):
+        with replacing(path) as f:
+            f.write(b"new, half")
+            raise RuntimeError("midway")
+    assert path.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.grace"]
+    with replacing(path, 0o600) as f:
+        f.write(b"new")
+    assert path.read_bytes() == b"new" and os.stat(path).st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.grace"]
