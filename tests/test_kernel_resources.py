@@ -33,6 +33,21 @@ def test_programs_per_sm_counts_registers_by_the_warp():
     assert kr.programs_per_sm(16, 1, 0, H200) == 32
 
 
+def test_what_keeps_a_program_from_starting_beside_the_node_before():
+    """The Llama-1B decode attention (197 registers, 4 warps, the one-wave cap's 115840 bytes of
+    shared memory) beside six QKV GEMV programs (56 registers, 4 warps, 32384 bytes): short of
+    registers and shared memory; it would fit the registers at 176 a thread, not at 184. With
+    room to spare, nothing is short."""
+    qkv = 6
+    taken = (qkv * kr.block_registers(56, 4), qkv * 128, qkv * (32384 + H200["reserved"]), qkv)
+    assert kr.binding_limits(197, 4, 115840, H200, taken) == ["regs", "shared"]
+    assert kr.fitting_registers(4, H200, taken) == 176
+    assert kr.programs_per_sm(176, 4, 1024, H200, taken) == 1
+    assert kr.programs_per_sm(184, 4, 1024, H200, taken) == 0
+    assert kr.binding_limits(176, 4, 1024, H200, taken) == []
+    assert kr.fitting_registers(4, H200, (0, 0, 0, 0)) == 255
+
+
 class MLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -61,8 +76,10 @@ def test_rows_read_every_node_from_the_cubins(package):
         if node.programmatic:   # launched with the runtime's one-wave cap, beside its predecessor
             assert r["after"] == max(node.programmatic) and r["shared"] >= kernel.shared
             assert 0 <= r["beside"] <= r["alone"]
+            assert bool(r["short_of"]) == (r["beside"] == 0) and 0 <= r["fit_regs"] <= 255
         else:
             assert r["beside"] is None and r["shared"] == kernel.shared
+            assert r["short_of"] == [] and r["fit_regs"] is None
     assert any(r["beside"] is not None for r in rows)   # sm_90: programmatic edges by default
 
 

@@ -15,8 +15,11 @@ programmatic edge; the "beside" column counts with it, as the runtime launches t
 Columns per node: grid, warps, registers a thread, stack bytes a thread (ptxas' frame: spilled
 registers live there), programs per multiprocessor by registers, threads, shared memory and the
 block limit ("alone"), and with the programs of its last programmatic dependency (the node it
-overlaps) resident at that node's density, ceil(grid / SMs) ("beside"; "-" without one). cuobjdump comes with Triton's
-NVIDIA backend (or from PATH).
+overlaps) resident at that node's density, ceil(grid / SMs) ("beside"; "-" without one). Where
+not even one fits beside, the last column names what it is short of (regs, threads, shared,
+blocks) and, for registers, the most a thread could hold for one program to fit: Llama-1B's
+decode attention, 197 registers, is short of registers (176) and of shared memory (the cap's
+padding) beside six QKV programs. cuobjdump comes with Triton's NVIDIA backend (or from PATH).
 """
 from __future__ import annotations
 
@@ -93,6 +96,24 @@ def programs_per_sm(regs: int, warps: int, shared: int, limits: dict, taken=None
                       limits["blocks"] - used_blocks))
 
 
+def binding_limits(regs: int, warps: int, shared: int, limits: dict, taken) -> list[str]:
+    """Which of registers, threads, shared memory and the block limit leave no room for one more
+    program beside `taken` (empty when one fits)."""
+    used_regs, used_threads, used_shared, used_blocks = taken
+    room = {"regs": limits["regs"] - used_regs >= block_registers(regs, warps),
+            "threads": limits["threads"] - used_threads >= 32 * warps,
+            "shared": limits["shared"] - used_shared >= shared + limits["reserved"],
+            "blocks": limits["blocks"] - used_blocks >= 1}
+    return [name for name, fits in room.items() if not fits]
+
+
+def fitting_registers(warps: int, limits: dict, taken) -> int:
+    """The most registers a thread (at most 255) at which one program of `warps` warps fits the
+    registers left beside `taken`; 0 when none does."""
+    free_units = (limits["regs"] - taken[0]) // (REG_UNIT * warps)
+    return min(255, free_units * REG_UNIT // 32)
+
+
 def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
               uncapped=()) -> list[dict]:
     """One row per node of the chosen graphs of `package` (a formats Package) for `arch`;
@@ -131,17 +152,19 @@ def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
                 shared = occupancy.one_wave_shared(blocks, shared, shared_limits)
             launched.append((regs, kernel.num_warps, shared, blocks))
             alone = programs_per_sm(regs, kernel.num_warps, shared, limits)
-            beside = None
+            beside, short, fit = None, [], None
             if node.programmatic:
                 pr, pw, ps, pb = launched[max(node.programmatic)]
                 n = min(math.ceil(pb / sms), programs_per_sm(pr, pw, ps, limits))
                 taken = (n * block_registers(pr, pw), n * 32 * pw, n * (ps + limits["reserved"]), n)
                 beside = programs_per_sm(regs, kernel.num_warps, shared, limits, taken)
+                short = binding_limits(regs, kernel.num_warps, shared, limits, taken)
+                fit = fitting_registers(kernel.num_warps, limits, taken)
             rows.append({"graph": graph.name, "node": j, "label": node.label or "",
                          "kernel": kernel.name, "family": kernel.family, "grid": list(node.grid),
                          "warps": kernel.num_warps, "regs": regs, "stack": use.get("STACK", 0),
                          "local": use.get("LOCAL", 0), "shared": shared,
-                         "alone": alone, "beside": beside,
+                         "alone": alone, "beside": beside, "short_of": short, "fit_regs": fit,
                          "after": max(node.programmatic) if node.programmatic else None})
     return rows
 
@@ -153,13 +176,19 @@ def format_rows(rows: list[dict]) -> str:
             graph = r["graph"]
             lines.append(f"graph {graph}")
             lines.append(f"  {'node':>4}  {'label':30} {'kernel':26} {'grid':>15} {'warps':>5} "
-                         f"{'regs':>4} {'stack':>5} {'shared':>7} {'alone':>5} {'beside':>6}")
+                         f"{'regs':>4} {'stack':>5} {'shared':>7} {'alone':>5} {'beside':>6}"
+                         f"  {'short of (fits at regs)'}")
         grid = "x".join(str(g) for g in r["grid"])
         beside = "-" if r["beside"] is None else f"{r['beside']}"
+        short = ""
+        if r["short_of"]:   # what keeps even one program from starting beside the node before
+            short = "  " + ",".join(r["short_of"])
+            if "regs" in r["short_of"]:
+                short += f" ({r['fit_regs']})"
         flag = "  <- stack" if r["stack"] else ""
         lines.append(f"  {r['node']:>4}  {r['label'][:30]:30} {r['kernel'][:26]:26} {grid:>15} "
                      f"{r['warps']:>5} {r['regs']:>4} {r['stack']:>5} {r['shared']:>7} "
-                     f"{r['alone']:>5} {beside:>6}{flag}")
+                     f"{r['alone']:>5} {beside:>6}{short}{flag}")
     return "\n".join(lines)
 
 
