@@ -86,25 +86,26 @@ def block_registers(regs: int, warps: int) -> int:
     return math.ceil(max(regs, 1) * 32 / REG_UNIT) * REG_UNIT * warps
 
 
-def programs_per_sm(regs: int, warps: int, shared: int, limits: dict, taken=None) -> int:
-    """Programs of a kernel that fit one multiprocessor; `taken` = (registers, threads, shared,
-    blocks) already held there by other programs."""
+def programs_by_resource(regs: int, warps: int, shared: int, limits: dict, taken=None) -> dict:
+    """Programs of a kernel that each resource (registers, threads, shared memory, the block
+    limit) leaves room for on one multiprocessor; `taken` = (registers, threads, shared, blocks)
+    already held there by other programs."""
     used_regs, used_threads, used_shared, used_blocks = taken or (0, 0, 0, 0)
-    return max(0, min((limits["regs"] - used_regs) // block_registers(regs, warps),
-                      (limits["threads"] - used_threads) // (32 * warps),
-                      (limits["shared"] - used_shared) // (shared + limits["reserved"]),
-                      limits["blocks"] - used_blocks))
+    return {"regs": (limits["regs"] - used_regs) // block_registers(regs, warps),
+            "threads": (limits["threads"] - used_threads) // (32 * warps),
+            "shared": (limits["shared"] - used_shared) // (shared + limits["reserved"]),
+            "blocks": limits["blocks"] - used_blocks}
+
+
+def programs_per_sm(regs: int, warps: int, shared: int, limits: dict, taken=None) -> int:
+    """Programs of a kernel that fit one multiprocessor (the scarcest resource decides)."""
+    return max(0, min(programs_by_resource(regs, warps, shared, limits, taken).values()))
 
 
 def binding_limits(regs: int, warps: int, shared: int, limits: dict, taken) -> list[str]:
-    """Which of registers, threads, shared memory and the block limit leave no room for one more
-    program beside `taken` (empty when one fits)."""
-    used_regs, used_threads, used_shared, used_blocks = taken
-    room = {"regs": limits["regs"] - used_regs >= block_registers(regs, warps),
-            "threads": limits["threads"] - used_threads >= 32 * warps,
-            "shared": limits["shared"] - used_shared >= shared + limits["reserved"],
-            "blocks": limits["blocks"] - used_blocks >= 1}
-    return [name for name, fits in room.items() if not fits]
+    """Which resources leave no room for one more program beside `taken` (empty when one fits)."""
+    room = programs_by_resource(regs, warps, shared, limits, taken)
+    return [name for name, n in room.items() if n < 1]
 
 
 def fitting_registers(warps: int, limits: dict, taken) -> int:
