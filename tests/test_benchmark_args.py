@@ -354,13 +354,18 @@ def test_wave_cap_ab_help_names_its_modes(capsys):
     with pytest.raises(SystemExit) as e:
         wave_cap_ab.main(["--variant", "no-colon"])
     assert e.value.code == 2 and "expected NAME:module.CONSTANT=VALUE" in capsys.readouterr().err
+    for twice in (["--variant", "a:codegen.GEMV_TILE=2048"] * 2,
+                  ["--variant", "default:codegen.GEMV_TILE=2048"]):
+        with pytest.raises(SystemExit) as e:
+            wave_cap_ab.main(twice)
+        assert e.value.code == 2 and "a name of its own" in capsys.readouterr().err
 
 
 def test_wave_cap_rules_leave_the_chosen_nodes_uncapped():
     """wave_cap_ab's modes on the programmatic nodes of a decode-like graph (132 SMs, the
     H200's shared memory): the runtime's cap, none, the cap only past two programs per SM, all
     but the attention and its combine, all but grids of at most 32, all but the combine, only
-    grids of at most two (four) programs per SM."""
+    grids of at most two (four) programs per SM, all but the attention."""
     from grace.runtime import occupancy
     from grace.runtime.graph import NodePlan
     from grace.tools.wave_cap_ab import cap_rules
@@ -384,3 +389,4 @@ def test_wave_cap_rules_leave_the_chosen_nodes_uncapped():
                                      capped[5]]
     assert shared["cap<=2/SM"] == capped[:3] + [1024, 1024, capped[5]]
     assert shared["cap<=4/SM"] == capped[:3] + [1024, capped[4], capped[5]]
+    assert shared["cap-attn1"] == [capped[0], 1024] + capped[2:]

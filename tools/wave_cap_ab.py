@@ -8,6 +8,11 @@ once a mode in one process, generate() timed per token (bench_decode's paired lo
   cap>2/SM   the cap only on grids of more than two programs per multiprocessor
   cap-attn   the cap but on the attention and its combine (their programs may then start beside
              the capped GEMV before them)
+  cap-attn1  the cap but on the attention (not its combine): where the attention's registers
+             and shared memory fit one program beside the QKV GEMV's six capped ones, its chain
+             before the wait (table slot, position, KV blocks) need not follow QKV's end. With
+             64-key blocks (--variant e4k:codegen.ATTN_SPLIT_BLOCK_ELEMS=4096: 114 registers,
+             18 KiB, 256 programs) it lost 1.1% on the 1B (H100, thirty-sixth session)
   cap-small  the cap but on grids of at most 32 programs (means, combines, split-K sums)
   cap-combine  the cap but on the attention's combine: its 32 programs (Llama-1B) then take 2 KiB
              of shared memory, not half a multiprocessor's, so all of the o projection's capped
@@ -39,7 +44,7 @@ from pathlib import Path
 from grace.tools.variants import parse_variant
 
 MODES = ("cap", "nocap", "cap>2/SM", "cap-attn", "cap-small", "cap-combine", "cap<=2/SM",
-         "cap<=4/SM")
+         "cap<=4/SM", "cap-attn1")
 
 
 def cap_rules(capped, families: list) -> dict:
@@ -58,6 +63,7 @@ def cap_rules(capped, families: list) -> dict:
             "cap>2/SM": cap_unless(lambda p, lim: blocks(p) <= 2 * lim.sm_count),
             "cap-attn": cap_unless(lambda p, lim: families[p.kernel] in ("attention",
                                                                          "attn_combine")),
+            "cap-attn1": cap_unless(lambda p, lim: families[p.kernel] == "attention"),
             "cap-small": cap_unless(lambda p, lim: blocks(p) <= 32),
             "cap-combine": cap_unless(lambda p, lim: families[p.kernel] == "attn_combine"),
             "cap<=2/SM": lambda plans, limits: capped(plans, limits, max_per_sm=2),
@@ -65,8 +71,12 @@ def cap_rules(capped, families: list) -> dict:
 
 
 def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: int = 2,
-        workdir: Path = Path("/tmp"), modes=MODES, variant=None) -> dict:
-    """`variant`: a tools.variants.Variant the package is compiled with (None: the defaults)."""
+        workdir: Path = Path("/tmp"), modes=MODES, variant=None, variants=None) -> dict:
+    """`variants`: tools.variants.Variants to compile a package each with (`variant`: one; None:
+    the defaults). With several, the defaults' package is compiled too, and every round times
+    each package in each mode, one after the other in this process: the A/B of a compile
+    option and a launch rule that only pay together (smaller attention blocks that let it start
+    beside its predecessor, and the cap that keeps it off), side by side."""
     import torch
     from torch.export import Dim
 
@@ -76,46 +86,57 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
     from grace.tools import bench_decode as bench
     from grace.tools.variants import applied
 
+    builds = list(variants or [variant])
+    if len(builds) > 1 and None not in builds:
+        builds.insert(0, None)
     max_seq = 2048
     model = bench._model(shape, max_seq)
-    path = workdir / f"wave-cap-{shape}.grace"
     t = Dim("seq", min=1, max=1024)
-    with applied(variant):
-        grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
-                          output=path, progress=False,
-                          dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
-                          buckets={"seq": [1, 1024]},
-                          generate={"tokens": "idx", "positions": "input_pos"})
+    paths = {}
+    for v in builds:
+        paths[v] = workdir / f"wave-cap-{shape}-{v.name if v else 'default'}.grace"
+        with applied(v):
+            grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
+                              output=paths[v], progress=False,
+                              dynamic_shapes={"idx": {1: t}, "input_pos": {0: t}},
+                              buckets={"seq": [1, 1024]},
+                              generate={"tokens": "idx", "positions": "input_pos"})
     prompt = torch.randint(0, bench.SHAPES[shape]["vocab"], (pos,),
                            generator=torch.Generator().manual_seed(1)).numpy()
     capped = occupancy.cap_programmatic
-    rules = cap_rules(capped, [k.family for k in read_package(path, verify=False).view.kernels])
+    rules = {v: cap_rules(capped, [k.family for k in read_package(p, verify=False).view.kernels])
+             for v, p in paths.items()}
     res = {"shape": shape, "pos": pos, "steps": steps, "modes": {},
-           "variant": f"{variant.name}:{variant.describe()}" if variant else None}
+           "variant": f"{variant.name}:{variant.describe()}" if variant else None,
+           "variants": {v.name: v.describe() for v in builds if v}}
     try:
         for _ in range(rounds):
-            for name in modes:
-                occupancy.cap_programmatic = rules[name]
-                pkg = load(path, instantiate="eager")
-                sess = pkg.session()
-                sess.generate(prompt, 4)   # warm
+            for v, path in paths.items():
+                for mode in modes:
+                    name = mode if len(paths) == 1 else f"{v.name if v else 'default'}/{mode}"
+                    occupancy.cap_programmatic = rules[v][mode]
+                    pkg = load(path, instantiate="eager")
+                    sess = pkg.session()
+                    sess.generate(prompt, 4)   # warm
 
-                def timed(n):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    sess.generate(prompt, n)
-                    return time.perf_counter() - t0
+                    def timed(n):
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        sess.generate(prompt, n)
+                        return time.perf_counter() - t0
 
-                ms, prefill, each = bench.generate_ms_per_token(timed, steps, pos, max_seq, pairs)
-                res["modes"].setdefault(name, []).append(
-                    {"ms_per_token": ms, "prefill_ms": prefill, "pairs": each})
-                print(f"{name:11s} generate() {ms:.4f} ms/token  pairs "
-                      f"{[round(p, 3) for p in each]}  prefill {prefill:.1f} ms", flush=True)
-                sess.close()
-                pkg.close()
+                    ms, prefill, each = bench.generate_ms_per_token(timed, steps, pos, max_seq,
+                                                                    pairs)
+                    res["modes"].setdefault(name, []).append(
+                        {"ms_per_token": ms, "prefill_ms": prefill, "pairs": each})
+                    print(f"{name:11s} generate() {ms:.4f} ms/token  pairs "
+                          f"{[round(p, 3) for p in each]}  prefill {prefill:.1f} ms", flush=True)
+                    sess.close()
+                    pkg.close()
     finally:
         occupancy.cap_programmatic = capped
-        path.unlink(missing_ok=True)
+        for path in paths.values():
+            path.unlink(missing_ok=True)
     return res
 
 
@@ -128,9 +149,10 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="times each mode is loaded and timed")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated, of {', '.join(MODES)} (default: all)")
-    ap.add_argument("--variant", metavar="NAME:module.CONSTANT=VALUE,...",
+    ap.add_argument("--variant", metavar="NAME:module.CONSTANT=VALUE,...", action="append",
                     help="compile the package with these grace.aot constants (tools/variants.py), "
-                         "e.g. e4k:codegen.ATTN_SPLIT_BLOCK_ELEMS=4096")
+                         "e.g. e4k:codegen.ATTN_SPLIT_BLOCK_ELEMS=4096; repeated: one package "
+                         "each and one with the defaults, all timed in every mode")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
     a = ap.parse_args(argv)
@@ -139,11 +161,13 @@ def main(argv=None):
     if unknown or not modes:
         ap.error(f"--modes: unknown {unknown or 'none given'}; choose from {', '.join(MODES)}")
     try:
-        variant = parse_variant(a.variant) if a.variant else None
+        variants = [parse_variant(v) for v in a.variant or ()]
     except ValueError as e:
         ap.error(str(e))
+    if len({v.name for v in variants}) < len(variants) or "default" in {v.name for v in variants}:
+        ap.error("--variant: each needs a name of its own, and not 'default'")
     res = run(a.shape, pos=a.pos, rounds=a.rounds, workdir=a.workdir, modes=modes,
-              variant=variant)
+              variants=variants or None)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
 
