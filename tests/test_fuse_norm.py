@@ -73,7 +73,7 @@ class _HiddenStates(torch.nn.Module):
 
 def _hf_vit():
     from transformers import ViTConfig, ViTModel
-    cfg = ViTConfig(hidden_size=384, num_hidden_layers=2, num_attention_heads=6,
+    cfg = ViTConfig(hidden_size=192, num_hidden_layers=2, num_attention_heads=3,
                     intermediate_size=1536, image_size=64, patch_size=8,
                     attn_implementation="sdpa")
     return _HiddenStates(ViTModel(cfg, add_pooling_layer=False).eval())
@@ -94,8 +94,8 @@ def _check_pair(tmp_path, model, args, feeds, reference, **options):
 
 
 def test_pre_norm_vit_keeps_the_residual_sum(tmp_path):
-    """Two HF ViT-S blocks at batch 1 on a 64-pixel image (65 rows: the MLP's second GEMM
-    splits K): its split-K reduction goes into the LayerNorm after it, which in the first block
+    """Two HF ViT blocks at batch 1 on a 64-pixel image, 192 wide with ViT-S's 1536-wide MLP
+    (65 rows: the MLP's second GEMM splits its K of 1536, the others do not): its split-K reduction goes into the LayerNorm after it, which in the first block
     also stores the residual branch's sum for the next residual add."""
     torch.manual_seed(0)
     model = _hf_vit()
