@@ -28,11 +28,12 @@ from grace.tools.models import CachedLlama  # noqa: E402
 from grace.tools.variants import applied, parse_variant  # noqa: E402
 
 MAX_SEQ = 16
+N_LAYERS = 2   # a layer after another and the last one: every position a knob treats apart
 
 
 def _compile(tmp_path, variant, name, max_seq=MAX_SEQ, hidden=2048, n_heads=4):
     torch.manual_seed(0)
-    model = CachedLlama(vocab=96, dim=64, n_layers=3, n_heads=n_heads, n_kv_heads=2,
+    model = CachedLlama(vocab=96, dim=64, n_layers=N_LAYERS, n_heads=n_heads, n_kv_heads=2,
                         hidden=hidden, max_seq=max_seq).eval()
     t = Dim("seq", min=1, max=MAX_SEQ)
     with applied(parse_variant(variant) if variant else None):
@@ -71,7 +72,7 @@ def test_split_down_projection_in_a_decode_step(tmp_path):
     pkg, graph, kernels = _decode_graph(path)
     split = [i for i, k in enumerate(kernels) if k["family"] == "matmul"
              and "k_lo = " in bytes(pkg.section(k["source"])).decode()]
-    assert len(split) == 3   # the layers' down projections (K 2048; the rest is K 64)
+    assert len(split) == N_LAYERS   # the layers' down projections (K 2048; the rest is K 64)
     for i in split:          # each followed by the reduction of its partial rows
         assert kernels[i + 1]["family"] == "reduction"
     _check_against_eager(model, path)
@@ -94,7 +95,7 @@ def test_shared_residual_stream_in_a_decode_step(tmp_path):
     _, g_on, k_on = _decode_graph(path)
     assert len(k_on) == len(k_off)
     fused = [n["label"] for n in g_on["nodes"] if "+add" in n["label"]]
-    assert len(fused) == 2 * 3, fused
+    assert len(fused) == 2 * N_LAYERS, fused
     means = [n for n, k in zip(g_on["nodes"], k_on) if n["label"].startswith("mean")]
     assert means and all(_arena_args(n) == 2 for n in means)
     assert max(_arena_args(n) for n in g_off["nodes"] if n["label"].startswith("mean")) > 2
@@ -110,7 +111,7 @@ def test_packed_grouped_query_heads_in_a_decode_step(tmp_path):
                                n_heads=8)
         pkg, graph, kernels = _decode_graph(path)
         att = [(n, k) for n, k in zip(graph["nodes"], kernels) if k["family"] == "attention"]
-        assert len(att) == 3
+        assert len(att) == N_LAYERS
         for node, k in att:
             assert node["grid"][1] == programs and (node["grid"][2] > 1) == (programs == 2)
             assert ("ihr = ih + rm // 1" in bytes(pkg.section(k["source"])).decode()) == (
@@ -125,9 +126,9 @@ def test_all_three_knobs_together(tmp_path):
                            n_heads=8)
     pkg, graph, kernels = _decode_graph(path)
     labels = [(n["label"], k["family"]) for n, k in zip(graph["nodes"], kernels)]
-    assert sum(f == "reduction" and "+add" in lab for lab, f in labels) == 3
+    assert sum(f == "reduction" and "+add" in lab for lab, f in labels) == N_LAYERS
     assert sum("ihr = " in bytes(pkg.section(k["source"])).decode()
-               for k in kernels if k["family"] == "attention") == 3
+               for k in kernels if k["family"] == "attention") == N_LAYERS
     _check_against_eager(model, path)
 
 

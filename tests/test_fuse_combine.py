@@ -20,7 +20,7 @@ from grace.formats import races, read_package  # noqa: E402
 from grace.tools.interpret import InterpretSession  # noqa: E402
 from grace.tools.variants import applied, parse_variant  # noqa: E402
 from test_attention_split_interpret import Attend  # noqa: E402
-from test_decode_knobs import _check_against_eager, _compile as _compile_llama  # noqa: E402
+from test_decode_knobs import N_LAYERS, _check_against_eager, _compile as _compile_llama  # noqa: E402
 from test_fuse_splitk import _arrivals_zero  # noqa: E402
 
 ON = "comb:fuse_combine.COMBINE_IN_ATTENTION=True"
@@ -146,10 +146,10 @@ def test_edge_values_and_half_precision(tmp_path):
 
 
 def test_a_llama_decode_step(tmp_path):
-    """A 3-layer Llama over a 512-slot cache, its attentions split 2 ways on the 2
+    """A 2-layer Llama over a 512-slot cache, its attentions split 2 ways on the 2
     multiprocessors the plan fills: the decode step's (grouped-query heads packed, storing the
     KV-cache appends too) and the 16-row prefill bucket's. A prompt and decode steps
     against eager, and the arrival words at zero after each call."""
     model, path = _compile_llama(tmp_path, ON, "on", max_seq=512)
-    _check_package(path, attentions=6)   # 3 layers x 2 buckets
+    _check_package(path, attentions=2 * N_LAYERS)   # each layer x 2 buckets
     _check_against_eager(model, path, after_step=_arrivals_zero)
