@@ -36,8 +36,9 @@ def test_programs_per_sm_counts_registers_by_the_warp():
 def test_what_keeps_a_program_from_starting_beside_the_node_before():
     """The Llama-1B decode attention (197 registers, 4 warps, the one-wave cap's 115840 bytes of
     shared memory) beside six QKV GEMV programs (56 registers, 4 warps, 32384 bytes): short of
-    registers and shared memory; it would fit the registers at 176 a thread, not at 184. With
-    room to spare, nothing is short."""
+    registers and shared memory; it would fit the registers at 176 a thread, not at 184, and the
+    shared memory at 32000 bytes (not the 34816 it uses uncapped). With room to spare, nothing
+    is short."""
     qkv = 6
     taken = (qkv * kr.block_registers(56, 4), qkv * 128, qkv * (32384 + H200["reserved"]), qkv)
     assert kr.binding_limits(197, 4, 115840, H200, taken) == ["regs", "shared"]
@@ -46,6 +47,10 @@ def test_what_keeps_a_program_from_starting_beside_the_node_before():
     assert kr.programs_per_sm(184, 4, 1024, H200, taken) == 0
     assert kr.binding_limits(176, 4, 1024, H200, taken) == []
     assert kr.fitting_registers(4, H200, (0, 0, 0, 0)) == 255
+    assert kr.fitting_shared(H200, taken) == 32000
+    assert kr.programs_per_sm(176, 4, 32000, H200, taken) == 1
+    assert kr.binding_limits(176, 4, 34816, H200, taken) == ["shared"]
+    assert kr.fitting_shared(H200, (0, 0, H200["shared"], 0)) == 0
 
 
 class MLP(torch.nn.Module):
@@ -77,9 +82,10 @@ def test_rows_read_every_node_from_the_cubins(package):
             assert r["after"] == max(node.programmatic) and r["shared"] >= kernel.shared
             assert 0 <= r["beside"] <= r["alone"]
             assert bool(r["short_of"]) == (r["beside"] == 0) and 0 <= r["fit_regs"] <= 255
+            assert 0 <= r["fit_shared"] <= H200["shared"]
         else:
             assert r["beside"] is None and r["shared"] == kernel.shared
-            assert r["short_of"] == [] and r["fit_regs"] is None
+            assert r["short_of"] == [] and r["fit_regs"] is None and r["fit_shared"] is None
     assert any(r["beside"] is not None for r in rows)   # sm_90: programmatic edges by default
 
 

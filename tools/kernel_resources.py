@@ -17,9 +17,10 @@ registers live there), programs per multiprocessor by registers, threads, shared
 block limit ("alone"), and with the programs of its last programmatic dependency (the node it
 overlaps) resident at that node's density, ceil(grid / SMs) ("beside"; "-" without one). Where
 not even one fits beside, the last column names what it is short of (regs, threads, shared,
-blocks) and, for registers, the most a thread could hold for one program to fit: Llama-1B's
-decode attention, 197 registers, is short of registers (176) and of shared memory (the cap's
-padding) beside six QKV programs. cuobjdump comes with Triton's NVIDIA backend (or from PATH).
+blocks) and the most a thread's registers and a program's shared memory could be for one program
+to fit: Llama-1B's decode attention, 197 registers, is short of registers (176) and of shared
+memory (32000 B; the cap pads it to 115840, and even uncapped it uses 34816) beside six QKV
+programs. cuobjdump comes with Triton's NVIDIA backend (or from PATH).
 """
 from __future__ import annotations
 
@@ -115,6 +116,15 @@ def fitting_registers(warps: int, limits: dict, taken) -> int:
     return min(255, free_units * REG_UNIT // 32)
 
 
+def fitting_shared(limits: dict, taken) -> int:
+    """The most shared memory (bytes, in the runtime's allocation unit) one program may use and
+    still fit the shared memory left beside `taken`; 0 when none is left."""
+    from grace.runtime.occupancy import ALLOCATION_UNIT
+
+    free = limits["shared"] - taken[2] - limits["reserved"]
+    return max(0, free // ALLOCATION_UNIT * ALLOCATION_UNIT)
+
+
 def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
               uncapped=()) -> list[dict]:
     """One row per node of the chosen graphs of `package` (a formats Package) for `arch`;
@@ -153,7 +163,7 @@ def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
                 shared = occupancy.one_wave_shared(blocks, shared, shared_limits)
             launched.append((regs, kernel.num_warps, shared, blocks))
             alone = programs_per_sm(regs, kernel.num_warps, shared, limits)
-            beside, short, fit = None, [], None
+            beside, short, fit, fit_shared = None, [], None, None
             if node.programmatic:
                 pr, pw, ps, pb = launched[max(node.programmatic)]
                 n = min(math.ceil(pb / sms), programs_per_sm(pr, pw, ps, limits))
@@ -161,11 +171,13 @@ def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
                 beside = programs_per_sm(regs, kernel.num_warps, shared, limits, taken)
                 short = binding_limits(regs, kernel.num_warps, shared, limits, taken)
                 fit = fitting_registers(kernel.num_warps, limits, taken)
+                fit_shared = fitting_shared(limits, taken)
             rows.append({"graph": graph.name, "node": j, "label": node.label or "",
                          "kernel": kernel.name, "family": kernel.family, "grid": list(node.grid),
                          "warps": kernel.num_warps, "regs": regs, "stack": use.get("STACK", 0),
                          "local": use.get("LOCAL", 0), "shared": shared,
                          "alone": alone, "beside": beside, "short_of": short, "fit_regs": fit,
+                         "fit_shared": fit_shared,
                          "after": max(node.programmatic) if node.programmatic else None})
     return rows
 
@@ -178,14 +190,14 @@ def format_rows(rows: list[dict]) -> str:
             lines.append(f"graph {graph}")
             lines.append(f"  {'node':>4}  {'label':30} {'kernel':26} {'grid':>15} {'warps':>5} "
                          f"{'regs':>4} {'stack':>5} {'shared':>7} {'alone':>5} {'beside':>6}"
-                         f"  {'short of (fits at regs)'}")
+                         f"  {'short of (fits at regs / shared bytes)'}")
         grid = "x".join(str(g) for g in r["grid"])
         beside = "-" if r["beside"] is None else f"{r['beside']}"
         short = ""
         if r["short_of"]:   # what keeps even one program from starting beside the node before
-            short = "  " + ",".join(r["short_of"])
-            if "regs" in r["short_of"]:
-                short += f" ({r['fit_regs']})"
+            fits = ([f"{r['fit_regs']}"] if "regs" in r["short_of"] else []) + (
+                [f"{r['fit_shared']} B"] if "shared" in r["short_of"] else [])
+            short = "  " + ",".join(r["short_of"]) + (f" ({' / '.join(fits)})" if fits else "")
         flag = "  <- stack" if r["stack"] else ""
         lines.append(f"  {r['node']:>4}  {r['label'][:30]:30} {r['kernel'][:26]:26} {grid:>15} "
                      f"{r['warps']:>5} {r['regs']:>4} {r['stack']:>5} {r['shared']:>7} "
