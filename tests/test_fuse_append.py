@@ -85,12 +85,21 @@ def _eager(model, idx, prompt=6, steps=3):
             ref.append(model(idx[:, p:p + 1], torch.tensor([p])).numpy())
     return ref
 
+def _prompt_graphs(path):
+    """Every graph but the decode step's: its nodes' kernels (named by their source's hash) and
+    grids."""
+    m = read_package(path).manifest
+    return {g["name"]: [(m["kernels"][n["kernel"]]["name"], n["grid"]) for n in g["nodes"]]
+            for g in m["graphs"] if g["name"] != "seq=1"}
+
+
 def _same_decodes(on, off, idx, prompts, model=None):
     """Two steps of decode after each prompt length (fewer at the cache's end): `on`'s logits
     equal `off`'s bit for bit and, with `model`, eager's to 1e-5. The passes under test change
     the decode graph only, so `on` runs its own prefill for the first prompt (and must match
     `off`'s logits and caches bit for bit) and starts from a copy of `off`'s caches after the
     others: the prompt is the interpreter's slowest call."""
+    assert _prompt_graphs(on) == _prompt_graphs(off)   # what lets the caches be shared
     for n, prompt in enumerate(prompts):
         steps = min(2, idx.shape[1] - prompt)
         a, b = InterpretSession(on), InterpretSession(off)
