@@ -85,6 +85,7 @@ def _eager(model, idx, prompt=6, steps=3):
             ref.append(model(idx[:, p:p + 1], torch.tensor([p])).numpy())
     return ref
 
+
 def _prompt_graphs(path):
     """Every graph but the decode step's: its nodes' kernels (named by their source's hash) and
     grids."""
@@ -106,8 +107,9 @@ def _same_decodes(on, off, idx, prompts, model=None):
         want = [b.run({"idx": idx[:, :prompt].numpy(), "input_pos": np.arange(prompt)})["out"]]
         if n == 0:
             got = [a.run({"idx": idx[:, :prompt].numpy(), "input_pos": np.arange(prompt)})["out"]]
+            caches = a.read_state()
             for name, cache in b.read_state().items():
-                np.testing.assert_array_equal(a.read_state()[name], cache)
+                np.testing.assert_array_equal(caches[name], cache)
         else:
             assert [(e.name, e.offset, e.nbytes) for e in a.state_entries] == \
                 [(e.name, e.offset, e.nbytes) for e in b.state_entries]

@@ -95,8 +95,9 @@ def _check_pair(tmp_path, model, args, feeds, reference, **options):
 
 def test_pre_norm_vit_keeps_the_residual_sum(tmp_path):
     """Two HF ViT blocks at batch 1 on a 64-pixel image, 192 wide with ViT-S's 1536-wide MLP
-    (65 rows: the MLP's second GEMM splits its K of 1536, the others do not): its split-K reduction goes into the LayerNorm after it, which in the first block
-    also stores the residual branch's sum for the next residual add."""
+    (65 rows: the MLP's second GEMM splits its K of 1536, the others do not): its split-K
+    reduction goes into the LayerNorm after it, which in the first block also stores the
+    residual branch's sum for the next residual add."""
     torch.manual_seed(0)
     model = _hf_vit()
     x = torch.randn(1, 3, 64, 64)

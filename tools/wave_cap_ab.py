@@ -70,10 +70,15 @@ def cap_rules(capped, families: list) -> dict:
             "cap<=4/SM": lambda plans, limits: capped(plans, limits, max_per_sm=4)}
 
 
+def _label(variant) -> str:
+    """A package's name in file names and the figures: its variant's, or "default"."""
+    return variant.name if variant else "default"
+
+
 def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: int = 2,
-        workdir: Path = Path("/tmp"), modes=MODES, variant=None, variants=None) -> dict:
-    """`variants`: tools.variants.Variants to compile a package each with (`variant`: one; None:
-    the defaults). With several, the defaults' package is compiled too, and every round times
+        workdir: Path = Path("/tmp"), modes=MODES, variants=()) -> dict:
+    """`variants`: tools.variants.Variants to compile a package each with (none: the defaults'
+    package alone). With several, the defaults' package is compiled too, and every round times
     each package in each mode, one after the other in this process: the A/B of a compile
     option and a launch rule that only pay together (smaller attention blocks that let it start
     beside its predecessor, and the cap that keeps it off), side by side."""
@@ -86,7 +91,7 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
     from grace.tools import bench_decode as bench
     from grace.tools.variants import applied
 
-    builds = list(variants or [variant])
+    builds = list(variants) or [None]
     if len(builds) > 1 and None not in builds:
         builds.insert(0, None)
     max_seq = 2048
@@ -94,7 +99,7 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
     t = Dim("seq", min=1, max=1024)
     paths = {}
     for v in builds:
-        paths[v] = workdir / f"wave-cap-{shape}-{v.name if v else 'default'}.grace"
+        paths[v] = workdir / f"wave-cap-{shape}-{_label(v)}.grace"
         with applied(v):
             grace.aot.compile(model.cpu(), (torch.zeros(1, 5, dtype=torch.long), torch.arange(5)),
                               output=paths[v], progress=False,
@@ -107,13 +112,12 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
     rules = {v: cap_rules(capped, [k.family for k in read_package(p, verify=False).view.kernels])
              for v, p in paths.items()}
     res = {"shape": shape, "pos": pos, "steps": steps, "modes": {},
-           "variant": f"{variant.name}:{variant.describe()}" if variant else None,
            "variants": {v.name: v.describe() for v in builds if v}}
     try:
         for _ in range(rounds):
             for v, path in paths.items():
                 for mode in modes:
-                    name = mode if len(paths) == 1 else f"{v.name if v else 'default'}/{mode}"
+                    name = mode if len(paths) == 1 else f"{_label(v)}/{mode}"
                     occupancy.cap_programmatic = rules[v][mode]
                     pkg = load(path, instantiate="eager")
                     sess = pkg.session()
@@ -164,10 +168,11 @@ def main(argv=None):
         variants = [parse_variant(v) for v in a.variant or ()]
     except ValueError as e:
         ap.error(str(e))
-    if len({v.name for v in variants}) < len(variants) or "default" in {v.name for v in variants}:
-        ap.error("--variant: each needs a name of its own, and not 'default'")
+    names = {v.name for v in variants}
+    if len(names) < len(variants) or _label(None) in names:
+        ap.error(f"--variant: each needs a name of its own, and not {_label(None)!r}")
     res = run(a.shape, pos=a.pos, rounds=a.rounds, workdir=a.workdir, modes=modes,
-              variants=variants or None)
+              variants=variants)
     if a.out:
         a.out.write_text(json.dumps(res, indent=1))
 
