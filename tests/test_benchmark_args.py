@@ -359,6 +359,12 @@ def test_wave_cap_ab_help_names_its_modes(capsys):
         with pytest.raises(SystemExit) as e:
             wave_cap_ab.main(twice)
         assert e.value.code == 2 and "a name of its own" in capsys.readouterr().err
+    # a variant is always timed beside the defaults' package, one variant or several
+    from grace.tools.variants import parse_variant
+    one, two = (parse_variant(f"{n}:codegen.GEMV_TILE=2048") for n in ("one", "two"))
+    assert wave_cap_ab.packages([]) == [None]
+    assert wave_cap_ab.packages([one]) == [None, one]
+    assert wave_cap_ab.packages([one, two]) == [None, one, two]
 
 
 def test_wave_cap_rules_leave_the_chosen_nodes_uncapped():

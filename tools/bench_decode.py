@@ -330,6 +330,7 @@ def run(shape="1b", pos=1000, max_seq=2048, steps=64, repeats=3, workdir=Path("/
         res["grace_graphs fold"] = [{"name": g["name"], "kernels": g["stats"]["kernels"]}
                                     for g in fold.manifest["graphs"]]
         fold.close()
+        profile(fold_path, "fold")
         _drop(fold_path)
     for variant in variants:   # tools/variants.py: compiler constants set for one compile
         with applied(variant):

@@ -75,10 +75,18 @@ def _label(variant) -> str:
     return variant.name if variant else "default"
 
 
+def packages(variants) -> list:
+    """The packages a run compiles: the defaults' (None) first, then one per variant. The
+    defaults' is there with a single variant too: without it in the same process a variant's
+    figures have nothing to be compared with (the thirty-seventh session's first call timed
+    `e4kp1` alone, because this list held the defaults' only beside two or more variants)."""
+    return [None, *variants]
+
+
 def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: int = 2,
         workdir: Path = Path("/tmp"), modes=MODES, variants=()) -> dict:
-    """`variants`: tools.variants.Variants to compile a package each with (none: the defaults'
-    package alone). With several, the defaults' package is compiled too, and every round times
+    """`variants`: tools.variants.Variants to compile a package each with, beside the defaults'
+    (`packages`; none: the defaults' package alone), and every round times
     each package in each mode, one after the other in this process: the A/B of a compile
     option and a launch rule that only pay together (smaller attention blocks that let it start
     beside its predecessor, and the cap that keeps it off), side by side."""
@@ -91,9 +99,7 @@ def run(shape: str, pos: int = 1000, steps: int = 64, pairs: int = 5, rounds: in
     from grace.tools import bench_decode as bench
     from grace.tools.variants import applied
 
-    builds = list(variants) or [None]
-    if len(builds) > 1 and None not in builds:
-        builds.insert(0, None)
+    builds = packages(variants)
     max_seq = 2048
     model = bench._model(shape, max_seq)
     t = Dim("seq", min=1, max=1024)
