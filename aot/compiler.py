@@ -384,7 +384,7 @@ def _fuse(b: BucketState, st: CompileState) -> BucketState:
     kernels = fuse.fuse_epilogues(b.program.kernels)
     if fuse_norm.FOLD_SPLIT_K_INTO_NORM:
         kernels = fuse_norm.fold_into_norms(kernels)
-    if st.options.fold_row_stats:
+    if st.options.fold_row_stats or fuse_stats.FOLD_INTO_TEMPLATE:
         kernels = fuse_stats.fold_row_stats(kernels)
     elif fuse_stats.FOLD_INTO_PERSISTENT:
         kernels = fuse_stats.fold_row_stats(kernels, template=False)

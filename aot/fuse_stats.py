@@ -48,6 +48,9 @@ STAT_OPS = ("sum", "max", "min")
 # 65 means a token), on an H100 (bench_decode --variant, 2026-12-05): generate() 5.466 -> 5.339
 # ms/token, GPU span 5423.8 -> 5324.6 µs (docs/performance.md, twenty-second session).
 FOLD_INTO_PERSISTENT = True
+# Into the template GEMV as well (what the fold_row_stats option asks for one compile): a module
+# constant so that a benchmark variant (tools/variants.py) can time it beside other settings.
+FOLD_INTO_TEMPLATE = False
 STAT_MAX_COLS = 16384   # the largest row a GEMV program re-reduces (a 16K hidden size: 32 KiB)
 
 
