@@ -83,9 +83,20 @@ def test_rms_norm_folds_into_the_gemv(tmp_path, k):
 
 
 def test_off_by_default(tmp_path):
+    """Off for the template GEMV; fuse_stats.FOLD_INTO_TEMPLATE (a benchmark variant's handle
+    on the option) folds as fold_row_stats does, to the same kernel."""
+    from grace.tools.variants import applied, parse_variant
     torch.manual_seed(0)
-    path = _check(NormProj(256, 16), {"x": torch.randn(1, 256)}, tmp_path, tol=1e-5)
+    model, x = NormProj(256, 16), {"x": torch.randn(1, 256)}
+    path = _check(model, x, tmp_path, tol=1e-5)
     assert _kernels(path) == ["table_writer", "reduction", "matmul"]
+    (tmp_path / "constant").mkdir()
+    (tmp_path / "option").mkdir()
+    with applied(parse_variant("fold:fuse_stats.FOLD_INTO_TEMPLATE=True")):
+        folded = _check(model, x, tmp_path / "constant", tol=1e-5)
+    assert _kernels(folded) == ["table_writer", "matmul"]
+    assert _gemv_source(folded) == _gemv_source(_check(model, x, tmp_path / "option", tol=1e-5,
+                                                       fold_row_stats=True))
 
 
 def test_amax_scaling_folds_with_a_masked_last_block(tmp_path):
