@@ -374,8 +374,9 @@ def _lower(b: BucketState, st: CompileState) -> BucketState:
 
 def _fuse(b: BucketState, st: CompileState) -> BucketState:
     """fuse: epilogue fusion, split-K sums added by the LayerNorm that reads them (fuse_norm);
-    one-row statistics into the persistent GEMVs (with fold_row_stats, any GEMV) that read
-    them (fuse_stats); with fuse_sums.INLINE_SPLIT_SUMS, split-K sums read only by GEMVs added
+    one-row statistics into the persistent GEMVs (with fold_row_stats or
+    fuse_stats.FOLD_INTO_TEMPLATE, any GEMV) that read them (fuse_stats); with
+    fuse_sums.INLINE_SPLIT_SUMS, split-K sums read only by GEMVs added
     by them; with fuse_rows.STORE_GEMV_ROWS, a template GEMV's normalised row stored by the
     mean's kernel; with fuse_append.APPEND_AFTER_ATTENTION, KV-cache appends after the attention;
     with fuse_splitk.SPLIT_K_IN_KERNEL, split-K matmuls summing their own splits; with

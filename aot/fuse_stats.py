@@ -26,7 +26,10 @@ Measured (H200, Llama-1B decode, docs/performance.md, eighth session), the pre-p
 2-row ones: the pass is a serial L2 round trip at the head of every program, and the one-block
 reduction it replaced overlapped with the GEMV's weight prefetch under PDL anyway. The in-loop
 form (which an RMSNorm in that decoder takes) was built after that run; it measured the same
-per token (0.976 against 0.980 ms, ninth session). Hence opt-in for the template.
+per token (0.976 against 0.980 ms, ninth session), and again on the graph of the
+thirty-seventh session (stored rows, the paired gate+up; H100): generate() 0.978 against 0.980,
+GPU span +15.6 µs, the gate+up slower by 2.6 µs each now that it follows the o projection
+directly. Hence opt-in for the template (`fold_row_stats`, or FOLD_INTO_TEMPLATE).
 
 When: the reduction has one row (one output element), a fixed number of columns, an epilogue of
 arithmetic on its value alone (no loads: it is re-evaluated at the GEMV's indices), an arena

@@ -12,7 +12,10 @@ once a mode in one process, generate() timed per token (bench_decode's paired lo
              and shared memory fit one program beside the QKV GEMV's six capped ones, its chain
              before the wait (table slot, position, KV blocks) need not follow QKV's end. With
              64-key blocks (--variant e4k:codegen.ATTN_SPLIT_BLOCK_ELEMS=4096: 114 registers,
-             18 KiB, 256 programs) it lost 1.1% on the 1B (H100, thirty-sixth session)
+             18 KiB, 256 programs) it lost 1.1% on the 1B (H100, thirty-sixth session); with
+             one program a multiprocessor's worth of splits as well (e4kp1: 128 programs
+             walking two blocks each) the package was ~7% slower capped and 2.6% slower
+             again uncapped (thirty-seventh session)
   cap-small  the cap but on grids of at most 32 programs (means, combines, split-K sums)
   cap-combine  the cap but on the attention's combine: its 32 programs (Llama-1B) then take 2 KiB
              of shared memory, not half a multiprocessor's, so all of the o projection's capped
