@@ -1,5 +1,5 @@
-"""A/B of the runtime's one-wave cap (runtime/occupancy.py) on a Llama decode: one package, loaded
-once a mode in one process, generate() timed per token (bench_decode's paired loops), twice round.
+"""A/B of the runtime's one-wave cap (runtime/occupancy.py) on a Llama decode: the defaults' package
+(and each --variant's), loaded once a mode in one process, generate() timed per token (bench_decode's paired loops), twice round.
 
     python3 -m grace.tools.wave_cap_ab --shape 1b --out cap-ab-1b.json     (a GPU machine)
 
@@ -163,9 +163,10 @@ def main(argv=None):
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated, of {', '.join(MODES)} (default: all)")
     ap.add_argument("--variant", metavar="NAME:module.CONSTANT=VALUE,...", action="append",
-                    help="compile the package with these grace.aot constants (tools/variants.py), "
-                         "e.g. e4k:codegen.ATTN_SPLIT_BLOCK_ELEMS=4096; repeated: one package "
-                         "each and one with the defaults, all timed in every mode")
+                    help="also compile a package with these grace.aot constants "
+                         "(tools/variants.py), e.g. e4k:codegen.ATTN_SPLIT_BLOCK_ELEMS=4096; "
+                         "repeatable: one package each, timed in every mode beside the "
+                         "defaults' package")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp"))
     ap.add_argument("--out", type=Path, help="write the figures as JSON")
     a = ap.parse_args(argv)
