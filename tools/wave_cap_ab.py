@@ -1,5 +1,6 @@
-"""A/B of the runtime's one-wave cap (runtime/occupancy.py) on a Llama decode: the defaults' package
-(and each --variant's), loaded once a mode in one process, generate() timed per token (bench_decode's paired loops), twice round.
+"""A/B of the runtime's one-wave cap (runtime/occupancy.py) on a Llama decode: the defaults'
+package (and each --variant's), loaded once a mode in one process, generate() timed per token
+(bench_decode's paired loops), twice round.
 
     python3 -m grace.tools.wave_cap_ab --shape 1b --out cap-ab-1b.json     (a GPU machine)
 
