@@ -51,6 +51,8 @@ KNOBS = {
     # the split down projections summed by the RMSNorm's mean after them (aot/fuse_norm.py)
     "foldmean": f"foldmean:{_OFF},codegen.GEMV_SPLIT_MIN_K=2048,"
                 "fuse_norm.FOLD_INTO_ROW_REDUCTIONS=True",
+    # the RMSNorm means reduced inside the template GEMVs that read them (aot/fuse_stats.py)
+    "fold": _off_but("fold", "fuse_stats.FOLD_INTO_TEMPLATE=True"),
     "all": "all:codegen.GEMV_SPLIT_MIN_K=2048,codegen.GEMV_PREFETCH_ALL_MAX_BYTES=16777216",
     # the appends after the attention, which loads its key blocks before gdc_wait()
     "kvearly": f"kvearly:{_ATTN_OFF},fuse_append.APPEND_AFTER_ATTENTION=True,"
