@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -11,6 +12,7 @@ pytest.importorskip("triton")
 
 from grace.aot import compile as grace_compile  # noqa: E402
 from grace.formats import read_package  # noqa: E402
+from grace.formats.archs import sm_count  # noqa: E402
 from grace.tools import kernel_resources as kr  # noqa: E402
 
 H200 = kr.SM_LIMITS["sm_90"]
@@ -78,6 +80,7 @@ def test_rows_read_every_node_from_the_cubins(package):
     for r, node in zip(rows, graph.nodes):
         kernel = pkg.view.kernels[node.kernel]
         assert r["kernel"] == kernel.name and r["regs"] > 0 and r["alone"] >= 1
+        assert r["waves"] == pytest.approx(math.prod(node.grid) / (r["alone"] * sm_count("sm_90")))
         if node.programmatic:   # launched with the runtime's one-wave cap, beside its predecessor
             assert r["after"] == max(node.programmatic) and r["shared"] >= kernel.shared
             assert 0 <= r["beside"] <= r["alone"]
@@ -95,6 +98,7 @@ def test_cli_prints_a_table_and_writes_json(package, tmp_path, capsys):
     table = capsys.readouterr().out
     rows = json.loads(out.read_text())
     assert table.startswith("graph ") and all(r["kernel"][:26] in table for r in rows)
+    assert " waves " in table and all(f"{r['waves']:.2f}" in table for r in rows)
     assert kr.main([str(package), "--graph", "no-such-graph"]) == 1
     assert "no graph named no-such-graph" in capsys.readouterr().err
     assert kr.main([str(package), "--arch", "sm_75"]) == 1

@@ -15,7 +15,10 @@ programmatic edge; the "beside" column counts with it, as the runtime launches t
 Columns per node: grid, warps, registers a thread, stack bytes a thread (ptxas' frame: spilled
 registers live there), programs per multiprocessor by registers, threads, shared memory and the
 block limit ("alone"), and with the programs of its last programmatic dependency (the node it
-overlaps) resident at that node's density, ceil(grid / SMs) ("beside"; "-" without one). Where
+overlaps) resident at that node's density, ceil(grid / SMs) ("beside"; "-" without one), and
+the waves its grid takes at the "alone" density (grid / (alone x SMs)): a GEMV of few waves
+ramps up and drains a larger share of its time than one of many (Llama-1B, bf16: the LM head
+27 waves, the gate+up 3.5, the down 1.7; docs/design-pdl.md, thirty-eighth session). Where
 not even one fits beside, the last column names what it is short of (regs, threads, shared,
 blocks) and the most a thread's registers and a program's shared memory could be for one program
 to fit: Llama-1B's decode attention, 197 registers, is short of registers (176) and of shared
@@ -175,8 +178,9 @@ def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
             rows.append({"graph": graph.name, "node": j, "label": node.label or "",
                          "kernel": kernel.name, "family": kernel.family, "grid": list(node.grid),
                          "warps": kernel.num_warps, "regs": regs, "stack": use.get("STACK", 0),
-                         "local": use.get("LOCAL", 0), "shared": shared,
-                         "alone": alone, "beside": beside, "short_of": short, "fit_regs": fit,
+                         "local": use.get("LOCAL", 0), "shared": shared, "alone": alone,
+                         "waves": blocks / (alone * sms) if alone else None,
+                         "beside": beside, "short_of": short, "fit_regs": fit,
                          "fit_shared": fit_shared,
                          "after": max(node.programmatic) if node.programmatic else None})
     return rows
@@ -189,10 +193,12 @@ def format_rows(rows: list[dict]) -> str:
             graph = r["graph"]
             lines.append(f"graph {graph}")
             lines.append(f"  {'node':>4}  {'label':30} {'kernel':26} {'grid':>15} {'warps':>5} "
-                         f"{'regs':>4} {'stack':>5} {'shared':>7} {'alone':>5} {'beside':>6}"
+                         f"{'regs':>4} {'stack':>5} {'shared':>7} {'alone':>5} {'waves':>6} "
+                         f"{'beside':>6}"
                          f"  {'short of (fits at regs / shared bytes)'}")
         grid = "x".join(str(g) for g in r["grid"])
         beside = "-" if r["beside"] is None else f"{r['beside']}"
+        waves = "-" if r["waves"] is None else f"{r['waves']:.2f}"
         short = ""
         if r["short_of"]:   # what keeps even one program from starting beside the node before
             fits = ([f"{r['fit_regs']}"] if "regs" in r["short_of"] else []) + (
@@ -201,7 +207,7 @@ def format_rows(rows: list[dict]) -> str:
         flag = "  <- stack" if r["stack"] else ""
         lines.append(f"  {r['node']:>4}  {r['label'][:30]:30} {r['kernel'][:26]:26} {grid:>15} "
                      f"{r['warps']:>5} {r['regs']:>4} {r['stack']:>5} {r['shared']:>7} "
-                     f"{r['alone']:>5} {beside:>6}{short}{flag}")
+                     f"{r['alone']:>5} {waves:>6} {beside:>6}{short}{flag}")
     return "\n".join(lines)
 
 
