@@ -126,3 +126,35 @@ def test_uncapped_families_keep_their_own_shared_memory(package):
         else:   # other nodes keep the cap (their "beside" may change with the node before)
             assert s["shared"] == c["shared"] and s["alone"] == c["alone"]
     assert any(c["family"] == "matmul" and c["after"] is not None for c in capped)
+
+
+def test_mma_kind_reads_the_matrix_instruction_from_sass():
+    both = "  HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;\n  HMMA.16816.F32 R1 ;"
+    assert kr.mma_kind(both) == "wgmma"
+    assert kr.mma_kind("        HMMA.16816.F32.BF16 R16, R16, R4, RZ ;") == "mma"
+    assert kr.mma_kind("        FFMA R1, R2, R3, R4 ;\n   LDG.E.128 R4, [R2.64] ;") == "-"
+
+
+def test_mma_column_tells_warpgroup_tiles_from_warp_tiles(tmp_path, capsys):
+    """bf16 GEMMs of 2048 rows: the 512-column one gets 64-row tiles, which Triton gives Hopper's
+    warpgroup MMA (HGMMA); the 64-column one gets 16-row tiles (more row tiles to fill the chip),
+    which run the warp-level mma.sync (HMMA); the table writer has neither."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 64)).to(torch.bfloat16).eval()
+    path = grace_compile(model, (torch.randn(2048, 256, dtype=torch.bfloat16),),
+                         output=tmp_path / "bf16.grace", progress=False, archs=("sm_90",))
+    rows = kr.node_rows(read_package(path, verify=False), "sm_90")
+    kinds = {r["family"]: set() for r in rows}
+    for r in rows:
+        kinds[r["family"]].add(r["mma"])
+    assert kinds["table_writer"] == {"-"} and kinds["matmul"] == {"wgmma", "mma"}
+    assert kr.main([str(path)]) == 0
+    table = capsys.readouterr().out
+    assert " mma " in table and " wgmma" in table
+
+
+def test_fp32_ieee_matmuls_use_no_tensor_cores(package):
+    """fp32_matmul="ieee" multiplies in fp32 FMAs: no matrix instruction in any kernel."""
+    rows = kr.node_rows(read_package(package, verify=False), "sm_90")
+    assert {r["mma"] for r in rows} == {"-"}

@@ -23,7 +23,11 @@ not even one fits beside, the last column names what it is short of (regs, threa
 blocks) and the most a thread's registers and a program's shared memory could be for one program
 to fit: Llama-1B's decode attention, 197 registers, is short of registers (176) and of shared
 memory (32000 B; the cap pads it to 115840, and even uncapped it uses 34816) beside six QKV
-programs. cuobjdump comes with Triton's NVIDIA backend (or from PATH).
+programs. The "mma" column names the matrix instructions in the kernel's SASS: "wgmma"
+(Hopper's warpgroup MMA, HGMMA), "mma" (the warp-level mma.sync, HMMA) or "-": on sm_90 Triton
+takes the warpgroup form only for tiles of at least 64 rows, so a GEMM tile of 16 or 32 rows (a
+batch-1 encoder's second projection) runs on the older instruction. cuobjdump comes with
+Triton's NVIDIA backend (or from PATH).
 """
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ SM_LIMITS = {
 }
 REG_UNIT = 256   # registers are granted to a warp in multiples of this
 _USAGE = re.compile(r"Function ([^\s:]+):\s*\n\s*(REG:[^\n]*)")
+_SASS_FUNCTION = re.compile(r"^\s*Function : (\S+)", re.M)
 
 
 class ResourceError(RuntimeError):
@@ -83,6 +88,27 @@ def cubin_usage(cubin: bytes, tool: str) -> dict:
         raise ResourceError(f"cuobjdump failed: {done.stderr.strip()[-500:]}")
     return {name: {k: int(v) for k, v in re.findall(r"([A-Z_]+(?:\[\d+\])?):(\d+)", fields)}
             for name, fields in _USAGE.findall(done.stdout)}
+
+
+def cubin_mma(cubin: bytes, tool: str) -> dict:
+    """{function name: "wgmma" | "mma" | "-"}: the matrix instructions in its SASS (HGMMA, the
+    warpgroup MMA of sm_90, counts first: a kernel holding both is a warpgroup kernel)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              timeout=300)
+    if done.returncode:
+        raise ResourceError(f"cuobjdump failed: {done.stderr.strip()[-500:]}")
+    parts = _SASS_FUNCTION.split(done.stdout)   # [before, name, body, name, body, ...]
+    return {name: mma_kind(body) for name, body in zip(parts[1::2], parts[2::2])}
+
+
+def mma_kind(sass: str) -> str:
+    """"wgmma", "mma" or "-" for one function's SASS text."""
+    if re.search(r"\bHGMMA\.", sass):
+        return "wgmma"
+    return "mma" if re.search(r"\bHMMA\.", sass) else "-"
 
 
 def block_registers(regs: int, warps: int) -> int:
@@ -144,11 +170,13 @@ def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
     sms = sm_count or arch_rules.sm_count(arch)
     view = for_arch(package.view, arch)
     tool = tool or find_cuobjdump()
-    usage = {}
+    usage, mma = {}, {}
     for k, kernel in enumerate(view.kernels):
         section = kernel.binaries.get(arch)
         if section is not None:
-            usage[k] = cubin_usage(bytes(package.section(section)), tool).get(kernel.name, {})
+            cubin = bytes(package.section(section))
+            usage[k] = cubin_usage(cubin, tool).get(kernel.name, {})
+            mma[k] = cubin_mma(cubin, tool).get(kernel.name, "-")
     shared_limits = occupancy.SharedLimits(sms, limits["shared"], limits["reserved"],
                                            limits["shared"] - limits["reserved"])
     pdl = arch_rules.supports_pdl(arch)
@@ -181,7 +209,7 @@ def node_rows(package, arch: str, graph_names=None, sm_count=None, tool=None,
                          "local": use.get("LOCAL", 0), "shared": shared, "alone": alone,
                          "waves": blocks / (alone * sms) if alone else None,
                          "beside": beside, "short_of": short, "fit_regs": fit,
-                         "fit_shared": fit_shared,
+                         "fit_shared": fit_shared, "mma": mma.get(node.kernel, "-"),
                          "after": max(node.programmatic) if node.programmatic else None})
     return rows
 
@@ -194,7 +222,7 @@ def format_rows(rows: list[dict]) -> str:
             lines.append(f"graph {graph}")
             lines.append(f"  {'node':>4}  {'label':30} {'kernel':26} {'grid':>15} {'warps':>5} "
                          f"{'regs':>4} {'stack':>5} {'shared':>7} {'alone':>5} {'waves':>6} "
-                         f"{'beside':>6}"
+                         f"{'beside':>6} {'mma':>5}"
                          f"  {'short of (fits at regs / shared bytes)'}")
         grid = "x".join(str(g) for g in r["grid"])
         beside = "-" if r["beside"] is None else f"{r['beside']}"
@@ -207,7 +235,7 @@ def format_rows(rows: list[dict]) -> str:
         flag = "  <- stack" if r["stack"] else ""
         lines.append(f"  {r['node']:>4}  {r['label'][:30]:30} {r['kernel'][:26]:26} {grid:>15} "
                      f"{r['warps']:>5} {r['regs']:>4} {r['stack']:>5} {r['shared']:>7} "
-                     f"{r['alone']:>5} {waves:>6} {beside:>6}{short}{flag}")
+                     f"{r['alone']:>5} {waves:>6} {beside:>6} {r['mma']:>5}{short}{flag}")
     return "\n".join(lines)
 
 
