@@ -1029,7 +1029,8 @@ class GemmPlan:
 # its K step, so rows per program amortise it: 4 x 1024 beat 2 x 1024 (the isolated-GEMV sweep's
 # choice, docs/gemv-sweep-2026-12-01.json, where the row was a plain vector) by 6-7%, and 8 x 512
 # by 2%. Loading more K steps before gdc_wait() (2 or 4) lost 6%, 8 warps lost 18%, 2 stages
-# changed nothing (docs/bench-2026-12-02-decode-1b-gemv-variants.json).
+# changed nothing (docs/bench-2026-12-02-decode-1b-gemv-variants.json). 8 x 1024 lost 12% (H200,
+# fifteenth session: generate() 0.823 -> 0.926 ms/token, the GEMVs 602 -> 680 us a token).
 GEMV_PREFETCH_STEPS = 1   # K steps of its weights a GEMV loads before gdc_wait() (PDL)
 # ...and every K step, for a GEMV of at most this many weight bytes (0: none). Meant for the small
 # projections behind attention (Llama-1B's o: 8 MB, 512 programs of 2 steps, ran at 2 TB/s in the
