@@ -77,30 +77,29 @@ def find_cuobjdump() -> str:
     return found
 
 
-def cubin_usage(cubin: bytes, tool: str) -> dict:
-    """{function name: {"REG": n, "STACK": bytes, "SHARED": bytes, "LOCAL": bytes, ...}}."""
+def _cuobjdump(cubin: bytes, tool: str, *args: str, timeout: int = 300) -> str:
+    """cuobjdump's stdout for `cubin` with `args` (ResourceError when it fails)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        done = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run([tool, *args, f.name], capture_output=True, text=True,
+                              timeout=timeout)
     if done.returncode:
         raise ResourceError(f"cuobjdump failed: {done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
+def cubin_usage(cubin: bytes, tool: str) -> dict:
+    """{function name: {"REG": n, "STACK": bytes, "SHARED": bytes, "LOCAL": bytes, ...}}."""
+    out = _cuobjdump(cubin, tool, "--dump-resource-usage")
     return {name: {k: int(v) for k, v in re.findall(r"([A-Z_]+(?:\[\d+\])?):(\d+)", fields)}
-            for name, fields in _USAGE.findall(done.stdout)}
+            for name, fields in _USAGE.findall(out)}
 
 
 def cubin_mma(cubin: bytes, tool: str) -> dict:
     """{function name: "wgmma" | "mma" | "-"}: the matrix instructions in its SASS (HGMMA, the
     warpgroup MMA of sm_90, counts first: a kernel holding both is a warpgroup kernel)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        done = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
-                              timeout=300)
-    if done.returncode:
-        raise ResourceError(f"cuobjdump failed: {done.stderr.strip()[-500:]}")
-    parts = _SASS_FUNCTION.split(done.stdout)   # [before, name, body, name, body, ...]
+    parts = _SASS_FUNCTION.split(_cuobjdump(cubin, tool, "-sass"))   # [before, name, body, ...]
     return {name: mma_kind(body) for name, body in zip(parts[1::2], parts[2::2])}
 
 
