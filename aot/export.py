@@ -1,7 +1,8 @@
 """Stage `export` (compiler.PIPELINE): torch.export and decomposition to core ATen.
 
 We keep `scaled_dot_product_attention` whole (the default table would decompose it into a
-bmm/softmax/bmm chain), because attention lowers to one flash-style kernel.
+bmm/softmax/bmm chain), because attention lowers to one flash-style kernel, and replace the
+decompositions that fail on inputs grace takes (`REPLACED`: take with a 0-d index).
 
 Also here: reading a `.pt2` whose pytree types live in another library (`load`), the inputs a
 program does not take (`drop_constant_inputs`: a `None` argument) and the names of its outputs
@@ -46,10 +47,25 @@ def export_model(model: torch.nn.Module, example_inputs, dynamic_shapes=None,
         raise ExportError(f"torch.export failed: {first}") from exc
 
 
+def _take(self, index):
+    """aten.take as an index into the flattened tensor. torch's own decomposition indexes with
+    `flat[index]`, which turns a 0-d index tensor into a Python int and so into a data-dependent
+    guard (GuardOnDataDependentSymNode, found by the OpInfo sweep): aten.index keeps it a tensor
+    of the index's shape, negative positions counted from the end as take counts them."""
+    return torch.ops.aten.index.Tensor(self.reshape(-1), [index])
+
+
+# ops whose default decomposition fails on inputs grace supports, and what replaces it
+REPLACED = {
+    torch.ops.aten.take.default: _take,
+}
+
+
 def to_core_aten(program: ExportedProgram) -> ExportedProgram:
     table = torch.export.default_decompositions()
     for op in KEEP_WHOLE:
         table.pop(op, None)
+    table.update(REPLACED)
     return program.run_decompositions(table)
 
 

@@ -112,6 +112,21 @@ def test_zero_dim_tensors(tmp_path):
           (torch.tensor(5.0), torch.tensor(0), torch.randn(4)), tmp_path=tmp_path)
 
 
+def test_take_with_0d_negative_and_empty_indices(tmp_path):
+    """torch.take: torch's own decomposition (flat[index]) made a 0-d index a data-dependent
+    Python int and crashed the compile (the OpInfo sweep's one crash, thirty-ninth session);
+    grace decomposes it into an index of the flattened tensor. Positions counted from the end,
+    an index of several dimensions and of none, a 0-d source."""
+    def fn(x, i, s, j, k, e):
+        return (torch.take(x, i), torch.take(s, j), torch.take(x, k), torch.take(s, j.view(1)),
+                torch.take(x, e))
+    check(fn, (torch.randn(3, 4), torch.tensor([[0, -1], [5, 11]]), torch.tensor(-2.5),
+               torch.tensor(0), torch.tensor(7), torch.zeros(0, dtype=torch.long)),
+          (torch.randn(3, 4), torch.tensor([[-12, 3], [2, 10]]), torch.tensor(4.0),
+           torch.tensor(-1), torch.tensor(-5), torch.zeros(0, dtype=torch.long)),
+          tmp_path=tmp_path)
+
+
 def test_sizes_without_a_bound_are_a_clear_error(tmp_path):
     """tensor_split at indices held in a tensor: .item() sizes with no upper bound. torch's
     int_oo claims is_finite, so it used to reach int() deep inside sympy."""
