@@ -91,6 +91,16 @@ def test_mutants_are_reproducible_and_really_mutated(bases):
 
 
 @pytest.mark.slow   # compiles the corpus (once per module)
+def test_a_bomb_after_an_edit_that_took_its_target_is_drawn_again(bases):
+    """Seed 39's mutant 18879 drew the grid bomb after an edit that had made a graph's nodes a
+    string: the fuzzer itself raised IndexError and the 20,000-mutant run ended without a
+    summary. Now such a draw is redrawn, reproducibly."""
+    cls, base, what, data = fuzz.mutant(bases, 39, 18879)
+    assert cls == "manifest" and fuzz.mutant(bases, 39, 18879)[3] == data
+    assert data != next(b for b in bases if b.path.stem == base).data, what
+
+
+@pytest.mark.slow   # compiles the corpus (once per module)
 def test_fast_pack_is_the_writers_layout(bases):
     """fuzz.pack (hashes precomputed) writes the bytes grace.formats' writer writes."""
     for b in bases:
@@ -372,3 +382,13 @@ def test_accepted_mutants_are_classified_by_what_they_change(bases):
     m = copy.deepcopy(llama.manifest)
     m["symbols"][0]["sources"].reverse()
     assert fuzz.classify(llama, m) == {"dangerous": [], "harmless": []}
+    # index checks: one dropped (seed 39's mutant 2099) only changes which error an unlisted code
+    # raises; none left, and the session would read no error word
+    assert len(llama.manifest["index_checks"]) > 1
+    m = copy.deepcopy(llama.manifest)
+    del m["index_checks"][0]
+    assert fuzz.classify(llama, m) == {"dangerous": [], "harmless": ["index checks"]}
+    m["index_checks"] = []
+    assert fuzz.classify(llama, m)["dangerous"] == ["index checks"]
+    del m["index_checks"]
+    assert fuzz.classify(llama, m)["dangerous"] == ["index checks"]
