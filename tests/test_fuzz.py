@@ -14,6 +14,7 @@ none, and that the mutants really reach every stage. The tests that need the cor
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -392,3 +393,20 @@ def test_accepted_mutants_are_classified_by_what_they_change(bases):
     assert fuzz.classify(llama, m)["dangerous"] == ["index checks"]
     del m["index_checks"]
     assert fuzz.classify(llama, m)["dangerous"] == ["index checks"]
+    # a zeroed state entry reshaped with as many elements (seed 40's mutant 11987): only the array
+    # read_state() returns changes; another element count, or a data-initialised entry, is not
+    cache = next(i for i, e in enumerate(llama.manifest["state"]) if e["init"] == "zeros"
+                 and len(e["shape"]) == 4)
+
+    def reshaped(shape, init=None):
+        m = copy.deepcopy(llama.manifest)
+        m["state"][cache]["shape"] = shape
+        if init is not None:
+            m["state"][cache]["init"] = init
+        return fuzz.classify(llama, m)["dangerous"]
+
+    dims = llama.manifest["state"][cache]["shape"]
+    assert reshaped([1] + dims) == [] and reshaped([math.prod(dims)]) == []
+    assert reshaped(dims[:-1] + [dims[-1] * 2]) == ["weights and state"]
+    assert reshaped([1] + dims, init="data") == ["weights and state"]
+    assert reshaped([1.0] + dims) == ["weights and state"]

@@ -55,6 +55,7 @@ import copy
 import ctypes
 import io
 import json
+import math
 import os
 import random
 import re
@@ -993,6 +994,7 @@ _CLASS_RULES = [   # (regex over the generalised path, category, verdict); the f
     (r"symbols\[\]\.(name|kind|sources\b.*)", "symbols", "dangerous"),
     (r"symbols(\[\])?", "symbols", "dangerous"),
     (r"state\[\]\.name", "state", "state-name"),
+    (r"state\[\]\.shape\b.*", "weights and state", "state-shape"),
     (r"(weights|state)\[\]\.(name|dtype|offset|nbytes|shape\b.*)", "weights and state", "dangerous"),
     (r"state\[\]\.init", "weights and state", "dangerous"),
     (r"(weights|state)(\[\])?", "weights and state", "dangerous"),
@@ -1131,6 +1133,19 @@ def _state_name(base: dict, m: dict, path: tuple) -> bool:
     return _at(base, path[:-1] + ("init",)) != "zeros"
 
 
+def _state_shape(base: dict, m: dict, path: tuple) -> bool:
+    """A zero-initialised state entry's shape with as many elements: the session clears and moves
+    it by `nbytes` and its kernels address it by offset, so only the array read_state() returns
+    changes shape (a `data` entry's shape is its tensor's; another element count, another size)."""
+    old, new = _at(_by_name(base), path[:2]), _at(_by_name(m), path[:2])
+    if not (isinstance(old, dict) and isinstance(new, dict) and old.get("init") == "zeros"):
+        return True
+    dims = new.get("shape")
+    if not (isinstance(dims, list) and all(type(d) is int and d >= 0 for d in dims)):
+        return True
+    return math.prod(dims) != math.prod(old["shape"])
+
+
 def _source(base: dict, m: dict, path: tuple) -> bool:
     """Only the CPU executor and `grace verify` read a kernel's source: without one the executor
     refuses to run the kernel (harmless); another kernel's source would run the wrong code."""
@@ -1161,7 +1176,8 @@ def _checks(base: dict, m: dict, path: tuple) -> bool:
 
 
 _JUDGED = {"default0": _default0, "lowered": _lowered, "state-name": _state_name, "source": _source,
-           "extents": _extents, "arg": _arg, "hidden": _hidden, "checks": _checks}
+           "extents": _extents, "arg": _arg, "hidden": _hidden, "checks": _checks,
+           "state-shape": _state_shape}
 
 
 def _edges_lose_order(base: "Base", m: dict) -> bool:
