@@ -94,6 +94,22 @@ def test_compile_errors_are_classified():
     assert op_sweep.classify_compile_error(KeyError("buf3"))[0] == "crash"
 
 
+def test_a_decomposition_failure_is_torchs_through_a_symlinked_grace(tmp_path):
+    """torch's decompositions fail inside export.to_core_aten: export_refused, also when grace is
+    imported through a symlink (PYTHONPATH=dir with dir/grace -> the checkout), whose frames are
+    named by the link; before, that sweep counted them as crashes."""
+    link = tmp_path / "grace"
+    link.symlink_to(op_sweep._grace_dir(), target_is_directory=True)
+    code = compile("def to_core_aten():\n    raise RuntimeError('guard on u0')\n",
+                   str(link / "aot" / "export.py"), "exec")
+    scope: dict = {}
+    exec(code, scope)
+    with pytest.raises(RuntimeError) as info:
+        scope["to_core_aten"]()
+    assert op_sweep.classify_compile_error(info.value) == (
+        "export_refused", "decomposition failed: RuntimeError: guard on u0")
+
+
 def test_torch_refusing_the_sample_is_unsupported():
     def refuses(x):
         raise RuntimeError("not for this dtype")

@@ -443,8 +443,9 @@ def classify_compile_error(exc: BaseException) -> tuple[str, str]:
             not str(exc).startswith("internal"):     # LoweringError, ShapeError: the user's errors
         return "not_lowered", msg
     # torch's decompositions (run inside compile) failing: torch's problem, like an export failure
+    # (frames by their real path: grace imported through a symlink names its files by the link)
     frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ else []
-    ours = [f for f in frames if f.filename.startswith(_grace_dir())
+    ours = [f for f in frames if os.path.realpath(f.filename).startswith(_grace_dir())
             and not f.filename.endswith("op_sweep.py")]
     if ours and ours[-1].name == "to_core_aten":
         return "export_refused", f"decomposition failed: {msg}"
