@@ -1072,7 +1072,9 @@ def classify(base: "Base", mutant_manifest: dict) -> dict:
     changes against its base package (the rules above)."""
     dangerous, harmless = set(), set()
     edges = sizes = False
-    for path in manifest_changes(_by_name(base.manifest), _by_name(mutant_manifest)):
+    # the judged rules read the entries at the changed paths, so they see the same order
+    old, new = _by_name(base.manifest), _by_name(mutant_manifest)
+    for path in manifest_changes(old, new):
         general = _general(path)
         for pattern, category, verdict in _CLASS_RULES:
             if pattern.fullmatch(general):
@@ -1085,7 +1087,7 @@ def classify(base: "Base", mutant_manifest: dict) -> dict:
             sizes = True
         else:
             if verdict in _JUDGED:
-                verdict = "dangerous" if _JUDGED[verdict](base.manifest, mutant_manifest, path) else "harmless"
+                verdict = "dangerous" if _JUDGED[verdict](old, new, path) else "harmless"
             (dangerous if verdict == "dangerous" else harmless).add(category)
     if edges:
         (dangerous if _edges_lose_order(base, mutant_manifest) else harmless).add("edges")
@@ -1137,7 +1139,7 @@ def _state_shape(base: dict, m: dict, path: tuple) -> bool:
     """A zero-initialised state entry's shape with as many elements: the session clears and moves
     it by `nbytes` and its kernels address it by offset, so only the array read_state() returns
     changes shape (a `data` entry's shape is its tensor's; another element count, another size)."""
-    old, new = _at(_by_name(base), path[:2]), _at(_by_name(m), path[:2])
+    old, new = _at(base, path[:2]), _at(m, path[:2])
     if not (isinstance(old, dict) and isinstance(new, dict) and old.get("init") == "zeros"):
         return True
     dims = new.get("shape")
